@@ -1,0 +1,1 @@
+"""jamp: mixed-precision training for JAX and Flax."""
