@@ -1,0 +1,300 @@
+"""Loss scales (no-op, static, dynamic) as pytrees that keep every field through JAX transforms.
+
+They keep jmp's interface (`loss_scale`, `scale`, `unscale`, `adjust`), so code written for
+`jmp.*LossScale` runs unchanged. Unlike jmp 0.0.4 they keep every setting through
+`jax.tree_util`, `jit`, `pmap`, AOT lowering and checkpoints: state values are leaves, settings
+are static treedef data, and nothing is validated or converted when JAX rebuilds them.
+
+Example:
+  >>> ls = DynamicLossScale(2.0**15, growth_interval=100)
+  >>> grads = ls.unscale(grads_of_scaled_loss)
+  >>> ls = ls.adjust(all_finite(grads))
+"""
+import math
+from typing import Any, TypeVar, Union
+
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+from flax import struct
+
+from jamp.precision import PolicyLike, get_policy
+
+T = TypeVar("T")
+
+# Marks a constructor call that starts from scratch rather than rebuilding existing state.
+_FRESH = object()
+
+
+def _multiply(tree: T, factor: jax.Array) -> T:
+    """Multiplies the floating leaves of `tree` by an fp32 factor, keeping each leaf's dtype."""
+
+    def mul(x):
+        dtype = jnp.result_type(x)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            return x
+        # The product is formed in fp32 (or wider) so that 1/scale cannot underflow in fp16.
+        return (x * factor).astype(dtype)
+
+    return jax.tree_util.tree_map(mul, tree)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+def _as_f32(x: Any) -> Any:
+    """Returns numbers and arrays as fp32 arrays; other objects pass through.
+
+    JAX rebuilds pytrees with placeholders (tracers of the stored dtype, `ShapedArray`,
+    lowering's `ArgInfo`), so only values that are plainly not fp32 are converted.
+    """
+    if _is_number(x) or isinstance(x, (np.ndarray, np.generic)):
+        return jnp.asarray(x, jnp.float32)
+    if isinstance(x, jax.Array) and x.dtype != jnp.float32:
+        return x.astype(jnp.float32)
+    return x
+
+
+@struct.dataclass
+class NoOpLossScale:
+    """A loss scale of 1 that leaves trees untouched; for fp32 and bf16 training.
+
+    Example:
+      >>> NoOpLossScale().scale(loss) is loss
+      True
+    """
+
+    @property
+    def loss_scale(self) -> jax.Array:
+        return jnp.ones((), jnp.float32)
+
+    def scale(self, tree: T) -> T:
+        return tree
+
+    def unscale(self, tree: T) -> T:
+        return tree
+
+    def adjust(self, grads_finite: jax.Array) -> "NoOpLossScale":
+        del grads_finite
+        return self
+
+
+@struct.dataclass
+class StaticLossScale:
+    """A fixed loss scale, held as an fp32 leaf so that changing it does not recompile.
+
+    Args:
+      loss_scale: the scale; a power of two keeps `unscale` exact.
+
+    Example:
+      >>> ls = StaticLossScale(2.0**10)
+      >>> grads = ls.unscale(jax.grad(lambda p: ls.scale(loss_fn(p)))(params))
+    """
+
+    loss_scale: jax.Array
+
+    def __init__(self, loss_scale):
+        if _is_number(loss_scale) and not 0 < loss_scale < math.inf:
+            raise ValueError(f"StaticLossScale: loss_scale must be finite and > 0, "
+                             f"got {loss_scale}")
+        object.__setattr__(self, "loss_scale", _as_f32(loss_scale))
+
+    def scale(self, tree: T) -> T:
+        return _multiply(tree, self.loss_scale)
+
+    def unscale(self, tree: T) -> T:
+        return _multiply(tree, 1.0 / self.loss_scale)
+
+    def adjust(self, grads_finite: jax.Array) -> "StaticLossScale":
+        del grads_finite
+        return self
+
+
+def _check_config(scale, growth_interval, growth_factor, backoff_factor, hysteresis, lo, hi):
+    def bad(message):
+        return ValueError(f"DynamicLossScale: {message}")
+
+    for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise bad(f"{name} must be an int >= 1, got {value!r}")
+    for name, value in (("growth_factor", growth_factor), ("backoff_factor", backoff_factor),
+                        ("min_loss_scale", lo), ("max_loss_scale", hi)):
+        if not _is_number(value):
+            raise bad(f"{name} must be a Python number, got {value!r}")
+    if not growth_factor > 1:
+        raise bad(f"growth_factor must be > 1, got {growth_factor}")
+    if not 0 < backoff_factor < 1:
+        raise bad(f"backoff_factor must be in (0, 1), got {backoff_factor}")
+    if jnp.shape(scale) != ():
+        raise bad(f"loss_scale must be a scalar, got shape {jnp.shape(scale)}")
+    if not 0 < lo <= hi < math.inf:
+        raise bad(f"need 0 < min_loss_scale <= max_loss_scale < inf, got {lo}, {hi}")
+    try:
+        value = float(scale)
+    except jax.errors.ConcretizationTypeError:
+        return  # Built inside a trace: the value cannot be read, the bounds were checked.
+    if not lo <= value <= hi:
+        raise bad(f"need min_loss_scale <= loss_scale <= max_loss_scale, got {lo}, {value}, {hi}")
+
+
+@struct.dataclass
+class DynamicLossScale:
+    """A loss scale that grows while gradients stay finite and backs off when they overflow.
+
+    Update rule of `adjust(grads_finite)` (Megatron's hysteresis; with `hysteresis=1` it is
+    exactly PyTorch's GradScaler, which grows on the `growth_interval`-th finite step)::
+
+      if grads_finite:
+        counter += 1
+        if counter == growth_interval:
+          loss_scale = min(loss_scale * growth_factor, max_loss_scale)
+          counter = 0
+          hysteresis_left = hysteresis
+      else:
+        counter = 0
+        hysteresis_left -= 1            # not reset by a backoff, only by a growth
+        if hysteresis_left <= 0:
+          loss_scale = max(loss_scale * backoff_factor, min_loss_scale)
+
+    Leaves (state): `loss_scale` (fp32 scalar, whatever dtype it was given in, since fp16
+    cannot hold 2**16), `counter` and `hysteresis_left` (int32 scalars; the latter is stored
+    clamped at 0, which changes no decision). Everything else is
+    static configuration. The constructor validates a fresh scale; when JAX rebuilds one
+    (unflatten, `replace`, checkpoint restore, both state keywords given) nothing is checked.
+
+    Args:
+      loss_scale: initial scale.
+      growth_interval: consecutive finite steps before the scale grows (int >= 1).
+      growth_factor: growth multiplier, > 1.
+      backoff_factor: backoff multiplier, in (0, 1).
+      hysteresis: overflows tolerated before a backoff (int >= 1).
+      min_loss_scale, max_loss_scale: bounds, 0 < min <= loss_scale <= max < inf.
+      counter, hysteresis_left: state to restore; omit both for a fresh scale.
+
+    Example:
+      >>> ls = DynamicLossScale(2.0**15, growth_interval=100)
+      >>> ls = ls.adjust(jnp.array(False))
+      >>> float(ls.loss_scale)
+      16384.0
+    """
+
+    loss_scale: jax.Array
+    counter: jax.Array
+    hysteresis_left: jax.Array
+    growth_interval: int = struct.field(pytree_node=False, default=2000)
+    growth_factor: float = struct.field(pytree_node=False, default=2.0)
+    backoff_factor: float = struct.field(pytree_node=False, default=0.5)
+    hysteresis: int = struct.field(pytree_node=False, default=1)
+    min_loss_scale: float = struct.field(pytree_node=False, default=1.0)
+    max_loss_scale: float = struct.field(pytree_node=False, default=2.0**24)
+
+    def __init__(self, loss_scale=2.0**16, growth_interval=2000, growth_factor=2.0,
+                 backoff_factor=0.5, hysteresis=1, min_loss_scale=1.0, max_loss_scale=2.0**24,
+                 *, counter=_FRESH, hysteresis_left=_FRESH):
+        fresh = counter is _FRESH or hysteresis_left is _FRESH
+        if fresh:
+            # Only a user's call gets here, so converting and reading values is safe.
+            _check_config(loss_scale, growth_interval, growth_factor, backoff_factor,
+                          hysteresis, min_loss_scale, max_loss_scale)
+            growth_interval, hysteresis = int(growth_interval), int(hysteresis)
+            growth_factor, backoff_factor = float(growth_factor), float(backoff_factor)
+            min_loss_scale, max_loss_scale = float(min_loss_scale), float(max_loss_scale)
+            loss_scale = jnp.asarray(loss_scale, jnp.float32)
+            if counter is _FRESH:
+                counter = jnp.zeros((), jnp.int32)
+            if hysteresis_left is _FRESH:
+                hysteresis_left = jnp.asarray(hysteresis, jnp.int32)
+        for name, value in (("loss_scale", loss_scale), ("counter", counter),
+                            ("hysteresis_left", hysteresis_left),
+                            ("growth_interval", growth_interval),
+                            ("growth_factor", growth_factor), ("backoff_factor", backoff_factor),
+                            ("hysteresis", hysteresis), ("min_loss_scale", min_loss_scale),
+                            ("max_loss_scale", max_loss_scale)):
+            object.__setattr__(self, name, value)
+
+    def scale(self, tree: T) -> T:
+        return _multiply(tree, self.loss_scale)
+
+    def unscale(self, tree: T) -> T:
+        # The reciprocal of a power of two is exact, so this undoes `scale` bit for bit.
+        return _multiply(tree, 1.0 / self.loss_scale)
+
+    def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
+        """Returns the next state; `grads_finite` is a bool scalar, possibly traced."""
+        finite = jnp.asarray(grads_finite)
+        if finite.shape != () or finite.dtype != jnp.bool_:
+            raise ValueError(
+                f"grads_finite must be a bool scalar, got {finite.dtype}{finite.shape}")
+        counter = self.counter + 1
+        # `>=` rather than `==` so a counter restored under a smaller interval still grows.
+        grow = finite & (counter >= self.growth_interval)
+        # Clamped at 0: same decisions as Megatron's unbounded decrement, but cannot wrap.
+        left_after_overflow = jnp.maximum(self.hysteresis_left - 1, 0)
+        back_off = ~finite & (left_after_overflow <= 0)
+        scale = self.loss_scale
+        scale = jnp.where(grow, jnp.minimum(scale * self.growth_factor, self.max_loss_scale), scale)
+        scale = jnp.where(back_off, jnp.maximum(scale * self.backoff_factor, self.min_loss_scale),
+                          scale)
+        counter = jnp.where(finite & ~grow, counter, 0)
+        left = jnp.where(finite, self.hysteresis_left, left_after_overflow)
+        left = jnp.where(grow, self.hysteresis, left)
+        # Explicit dtypes: a weak-typed leaf would change the treedef's avals and recompile.
+        return self.replace(loss_scale=scale.astype(jnp.float32), counter=counter.astype(jnp.int32),
+                            hysteresis_left=left.astype(jnp.int32))
+
+
+LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Returns a bool scalar array: True when every leaf of `tree` is finite.
+
+    Delegates to `jmp.all_finite`, which handles int and bool leaves and empty trees.
+    Under `pmap`, average the gradients first so every replica reaches the same verdict.
+
+    Example:
+      >>> bool(all_finite({"w": jnp.array([1.0, jnp.inf])}))
+      False
+    """
+    return jmp.all_finite(tree)
+
+
+def select_tree(pred: Any, a: T, b: T) -> T:
+    """Returns `a` where the bool scalar `pred` is True, else `b`, leaf by leaf.
+
+    Args:
+      pred: bool scalar (Python bool or array, possibly traced).
+      a, b: trees of the same structure and leaf dtypes.
+
+    Returns:
+      A tree like `a`; use it to skip an update whose gradients overflowed.
+
+    Example:
+      >>> params = select_tree(grads_finite, new_params, params)
+    """
+    pred = jnp.asarray(pred)
+    if pred.shape != () or pred.dtype != jnp.bool_:
+        raise ValueError(f"pred must be a bool scalar, got {pred.dtype}{pred.shape}")
+    return jmp.select_tree(pred, a, b)
+
+
+def loss_scale_for(policy: PolicyLike) -> LossScale:
+    """Returns the default loss scale for a policy: dynamic for fp16 compute, else no-op.
+
+    bf16 has fp32's exponent range, so only fp16 gradients need scaling to avoid underflow.
+
+    Args:
+      policy: a `jmp.Policy` or anything `jamp.precision.get_policy` accepts.
+
+    Returns:
+      `DynamicLossScale()` when the compute dtype is float16, otherwise `NoOpLossScale()`.
+
+    Example:
+      >>> type(loss_scale_for("mixed_float16")).__name__
+      'DynamicLossScale'
+    """
+    if jnp.dtype(get_policy(policy).compute_dtype) == jnp.float16:
+        return DynamicLossScale()
+    return NoOpLossScale()

@@ -1,0 +1,119 @@
+"""Precision policies: jmp's string grammar, Keras-style presets and clear errors.
+
+A policy names three dtypes: the one parameters are stored in, the one the
+model computes in, and the one its outputs are returned in. jamp uses
+`jmp.Policy` unchanged, so anything that takes a jmp policy takes ours.
+"""
+from typing import Union
+
+import jax.numpy as jnp
+import jmp
+
+PRESETS = ("float32", "mixed_float16", "mixed_bfloat16")
+
+# Presets are spelt in jmp's grammar so that jmp builds every policy we return.
+_PRESET_SPECS = {
+        "float32": "p=f32,c=f32,o=f32",
+        "mixed_float16": "p=f32,c=f16,o=f32",
+        "mixed_bfloat16": "p=f32,c=bf16,o=f32",
+}
+_KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute",
+                  "o": "output", "output": "output"}
+# jmp also knows float64; mixed precision has no use for it, so it is refused.
+# "half" is jmp's backend-dependent 16-bit type (bfloat16 on TPU, float16 elsewhere).
+DTYPE_NAMES = ("float32", "f32", "full", "float16", "f16", "half", "bfloat16", "bf16")
+_ALLOWED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+_ACCEPTED = (
+        "Accepted: a preset (" + ", ".join(PRESETS) + "); a dtype name used for all three "
+        "dtypes (" + ", ".join(DTYPE_NAMES) + "); or comma-separated key=dtype pairs with keys "
+        "p/params, c/compute, o/output (e.g. 'p=f32,c=bf16,o=f32'; params default to float32, "
+        "compute follows params, output follows compute)."
+)
+
+PolicyLike = Union[str, jmp.Policy]
+
+
+def _fail(spec, problem: str) -> ValueError:
+    return ValueError(f"Bad precision policy {spec!r}: {problem}. {_ACCEPTED}")
+
+
+def _check_dtype(name: str, spec) -> None:
+    if name not in DTYPE_NAMES:
+        raise _fail(spec, f"unknown dtype {name!r}")
+
+
+def _normalise(spec: str) -> str:
+    """Checks `spec` against the grammar and returns it in jmp's spelling."""
+    text = spec.strip()
+    if not text:
+        raise _fail(spec, "empty string")
+    if text in _PRESET_SPECS:
+        return _PRESET_SPECS[text]
+    if "=" not in text:
+        _check_dtype(text, spec)
+        return text
+    parts, seen = [], set()
+    for part in text.split(","):
+        key, sep, value = (s.strip() for s in part.partition("="))
+        if not sep:
+            raise _fail(spec, f"entry {part!r} is not of the form key=dtype")
+        if key not in _KEYS:
+            raise _fail(spec, f"unknown key {key!r}")
+        if _KEYS[key] in seen:
+            # jmp lets the last one win silently; a typo should not pass unnoticed.
+            raise _fail(spec, f"duplicate key {key!r} ({_KEYS[key]} given twice)")
+        seen.add(_KEYS[key])
+        _check_dtype(value, spec)
+        parts.append(f"{key}={value}")
+    return ",".join(parts)
+
+
+def get_policy(spec: PolicyLike) -> jmp.Policy:
+    """Returns the `jmp.Policy` named by `spec`.
+
+    Args:
+        spec: a `jmp.Policy` (returned as is); a preset from `PRESETS`; a dtype name
+            for all three dtypes ("bf16"); or jmp's "p=...,c=...,o=..." grammar, where
+            an omitted output follows compute ("c=f16" computes and returns float16).
+
+    Returns:
+        The policy, built by `jmp.get_policy`.
+
+    Raises:
+        ValueError: naming the bad part of `spec` and listing what is accepted.
+
+    Example:
+        >>> describe(get_policy("mixed_bfloat16"))
+        'params=float32,compute=bfloat16,output=float32'
+    """
+    if isinstance(spec, jmp.Policy):
+        return spec
+    if not isinstance(spec, str):
+        raise _fail(spec, f"expected a string or jmp.Policy, got {type(spec).__name__}")
+    normalised = _normalise(spec)
+    try:
+        policy = jmp.get_policy(normalised)
+    except Exception as e:  # Our grammar check should leave nothing for jmp to refuse.
+        raise _fail(spec, str(e)) from e
+    for dtype in (policy.param_dtype, policy.compute_dtype, policy.output_dtype):
+        if jnp.dtype(dtype) not in _ALLOWED:
+            raise _fail(spec, f"dtype {jnp.dtype(dtype).name!r} is not a mixed-precision dtype")
+    return policy
+
+
+def describe(policy: PolicyLike) -> str:
+    """Returns a policy as "params=...,compute=...,output=..." with full dtype names.
+
+    Args:
+        policy: a `jmp.Policy` or anything `get_policy` accepts.
+
+    Returns:
+        A short string for logs and summary tables.
+
+    Example:
+        >>> describe("c=bf16")
+        'params=float32,compute=bfloat16,output=bfloat16'
+    """
+    p = get_policy(policy)
+    names = (jnp.dtype(d).name for d in (p.param_dtype, p.compute_dtype, p.output_dtype))
+    return "params={},compute={},output={}".format(*names)
