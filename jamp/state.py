@@ -1,0 +1,92 @@
+"""The training state: one immutable pytree that a step consumes and returns.
+
+Everything a run needs to resume lives here as arrays (step, params, optimizer state, mutable model
+collections, the loss scale and its counters), and nothing else: no model, no optimizer, no
+functions. That keeps the state checkpointable as-is, replicable with `jamp.parallel.replicate`, and
+safe to pass through `jax.jit` and `jax.pmap` without static arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from jamp.loss_scale import NoOpLossScale
+
+PyTree = Any
+
+
+def _int32_scalar(value: int) -> jax.Array:
+    """Returns `value` as a strongly typed int32 scalar array."""
+    # A python int (or a weakly typed array) would give the first jitted call a different input type
+    # than the int32 the step returns, and the second call would compile again.
+    return jnp.asarray(value, dtype=jnp.int32)
+
+
+@struct.dataclass
+class TrainState:
+    """Immutable pytree holding everything a training step reads and writes.
+
+    Attributes:
+        step: int32 scalar, the number of steps taken, skipped ones included.
+        params: the model parameters (normally fp32, whatever the compute dtype).
+        opt_state: the optax state for `params`.
+        model_state: mutable Flax collections other than params, e.g. `{'batch_stats': ...}`;
+            `{}` for a model without any.
+        loss_scale: a `NoOpLossScale`, `StaticLossScale` or `DynamicLossScale` (all pytrees).
+        skipped_steps: int32 scalar, how many steps were skipped because the gradients were not
+            finite.
+
+    Example:
+        >>> state = TrainState.create(params, optax.adam(1e-3),
+        ...                           model_state={"batch_stats": stats},
+        ...                           loss_scale=DynamicLossScale())
+        >>> state = state.replace(params=new_params)  # updates return a new state
+    """
+
+    step: jax.Array
+    params: PyTree
+    opt_state: optax.OptState
+    model_state: PyTree
+    loss_scale: Any
+    skipped_steps: jax.Array
+
+    @classmethod
+    def create(
+            cls,
+            params: PyTree,
+            tx: optax.GradientTransformation,
+            *,
+            model_state: Mapping[str, Any] | None = None,
+            loss_scale: Any = None,
+    ) -> "TrainState":
+        """Builds the state for step 0 and initializes the optimizer state from `params`.
+
+        Args:
+            params: the model parameters, e.g. `variables['params']`.
+            tx: the optax transformation whose state to initialize; it is not stored, so pass the same
+                one to `jamp.step.make_train_step`.
+            model_state: mutable collections other than params (e.g. `{'batch_stats': ...}`); `{}` when
+                omitted. The train step's `loss_fn` must return a tree of the same structure and dtypes.
+            loss_scale: the loss scale to start from; `NoOpLossScale()` when omitted.
+
+        Returns:
+            A `TrainState` with `step == 0` and `skipped_steps == 0`, both int32 arrays.
+
+        Example:
+            >>> variables = model.init(key, x)
+            >>> params = variables.pop("params")  # what is left: batch_stats and the like
+            >>> state = TrainState.create(params, optax.sgd(0.1), model_state=variables)
+        """
+        return cls(
+                step=_int32_scalar(0),
+                params=params,
+                opt_state=tx.init(params),
+                model_state={} if model_state is None else model_state,
+                loss_scale=NoOpLossScale() if loss_scale is None else loss_scale,
+                skipped_steps=_int32_scalar(0),
+        )

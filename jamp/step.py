@@ -1,0 +1,247 @@
+"""The mixed-precision train step, written once, and its eval counterpart.
+
+`make_train_step` returns a pure function `train_step(state, batch, rng) -> (state, metrics)` that
+follows one order (see DESIGN.md, "The mixed-precision step, written once"):
+
+  1. fold the step (and the replica index) into the rng;
+  2. compute the loss in fp32 and multiply it by the loss scale;
+  3. take fp32 gradients with respect to the params (summed over microbatches, if any);
+  4. average gradients, loss, metrics and model state across replicas;
+  5. unscale with the scale used in 2;
+  6. check finiteness, clip the unscaled gradients, run the optax update;
+  7. keep the old params, optimizer state and model state if the gradients were not finite;
+  8. adjust the loss scale and count the step.
+
+Nothing here jits or pmaps: callers wrap the step in `jax.jit`, or use `jamp.parallel`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jamp.loss_scale import all_finite, select_tree
+from jamp.state import TrainState
+
+PyTree = Any
+Metrics = Mapping[str, jax.Array]
+# loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, metrics))
+LossFn = Callable[[PyTree, PyTree, PyTree, jax.Array], tuple[jax.Array, tuple[PyTree, Metrics]]]
+# eval_fn(params, model_state, batch) -> metrics
+EvalFn = Callable[[PyTree, PyTree, PyTree], Metrics]
+
+
+def _pmean_floats(tree: PyTree, axis_name: str) -> PyTree:
+    """Averages the floating-point leaves of `tree` over `axis_name`; other leaves pass through."""
+    # Integer leaves (counters in model state) are the same on every replica already, and a pmean
+    # of integers would truncate.
+    def mean(x):
+        return lax.pmean(x, axis_name) if jnp.issubdtype(x.dtype, jnp.inexact) else x
+
+    return jax.tree.map(mean, tree)
+
+
+def _metrics_fp32(metrics: Metrics) -> dict[str, jax.Array]:
+    """Returns the user's metrics as fp32 arrays, so they can be averaged and logged alike."""
+    # Integer counts and bool flags become fp32 too: averaged over replicas they are fractions.
+    return jax.tree.map(lambda value: jnp.asarray(value, jnp.float32), dict(metrics))
+
+
+def _conform(new: PyTree, old: PyTree, what: str) -> PyTree:
+    """Returns `new` with the structure check passed and every leaf cast to `old`'s dtype."""
+    # A state leaf whose dtype drifts (bf16 statistics, a weakly typed counter) would make the next
+    # jitted call compile again, and would break the lax.scan carry and select_tree below.
+    if not jax.tree.leaves(old) and not jax.tree.leaves(new):
+        return old  # a model without mutable state may hand back {} or None
+    if jax.tree.structure(new) != jax.tree.structure(old):
+        raise ValueError(
+            f"{what} returned by the loss function has structure {jax.tree.structure(new)}, "
+            f"but the state holds {jax.tree.structure(old)}; they must match.")
+    return jax.tree.map(lambda n, o: jnp.asarray(n).astype(o.dtype), new, old)
+
+
+def _scaled_grads(loss_fn, loss_scale, params, model_state, batch, rng):
+    """Returns (scaled fp32 grads, fp32 loss, new model state, fp32 metrics) for one batch."""
+    def scaled_loss(p):
+        loss, (new_model_state, metrics) = loss_fn(p, model_state, batch, rng)
+        if jnp.ndim(loss) != 0:
+            raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}.")
+        # The reductions in the loss are where 16-bit overflows first: finish it in fp32.
+        loss = jnp.asarray(loss, jnp.float32)
+        # Scaling the loss scales every gradient, lifting small 16-bit gradients above underflow.
+        return loss_scale.scale(loss), (loss, new_model_state, metrics)
+
+    grads, (loss, new_model_state, metrics) = jax.grad(scaled_loss, has_aux=True)(params)
+    # fp32 params give fp32 grads already; upcasting covers 16-bit params so that the averaging and
+    # unscaling below never round or overflow in 16 bits.
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    new_model_state = _conform(new_model_state, model_state, "model_state")
+    return grads, loss, new_model_state, _metrics_fp32(metrics)
+
+
+def _split_microbatches(batch: PyTree, num_micro: int) -> PyTree:
+    """Reshapes every leaf's leading axis (b, ...) to (num_micro, b // num_micro, ...)."""
+    sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in jax.tree.leaves(batch)}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(f"every batch leaf needs the same leading batch axis; got sizes {sizes}.")
+    size = sizes.pop()
+    if size % num_micro:
+        raise ValueError(
+            f"batch size {size} (per device under pmap) is not divisible by "
+            f"accumulation_steps={num_micro}.")
+    return jax.tree.map(lambda x: x.reshape((num_micro, size // num_micro) + x.shape[1:]), batch)
+
+
+def _accumulated_grads(loss_fn, loss_scale, params, model_state, batch, rng, num_micro):
+    """Like `_scaled_grads`, averaged over `num_micro` microbatches run one after another."""
+    micro = _split_microbatches(batch, num_micro)
+
+    def body(carry, xs):
+        grad_sum, state = carry
+        micro_batch, index = xs
+        # Each microbatch gets its own dropout mask, as it would as a batch of its own.
+        micro_rng = jax.random.fold_in(rng, index)
+        grads, loss, state, metrics = _scaled_grads(
+            loss_fn, loss_scale, params, state, micro_batch, micro_rng)
+        # Summing in fp32 keeps k small scaled gradients from rounding away against each other.
+        grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+        return (grad_sum, state), (loss, metrics)
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    # scan, not a python loop: one traced copy of the model, whatever num_micro is.
+    (grad_sum, model_state), (losses, metrics) = lax.scan(
+        body, (zeros, model_state), (micro, jnp.arange(num_micro)))
+    # The mean of microbatch means is the whole-batch mean for equal microbatches: same scale of
+    # gradient as one step on the whole batch, so learning rates carry over.
+    grads = jax.tree.map(lambda g: g / num_micro, grad_sum)
+    metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+    return grads, jnp.mean(losses), model_state, metrics
+
+
+def _clip_by_global_norm(grads: PyTree, norm: jax.Array, max_norm: float) -> PyTree:
+    """Rescales `grads` (whose global norm is `norm`) so the norm is at most `max_norm`."""
+    factor = max_norm / jnp.maximum(norm, max_norm)  # 1 when already inside the ball
+    return jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    *,
+    axis_name: str | None = None,
+    accumulation_steps: int = 1,
+    max_grad_norm: float | None = None,
+) -> Callable[[TrainState, PyTree, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
+    """Builds a pure mixed-precision train step.
+
+    Args:
+      loss_fn: `loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, metrics))`
+        with a scalar loss of any float dtype (it is finished in fp32), `new_model_state` of the
+        same structure as `model_state` (`{}` if the model has none), and a dict of scalar metrics.
+      tx: the optax transformation the state's `opt_state` was created with.
+      axis_name: the pmap axis to average over; None on a single device or under plain jit.
+      accumulation_steps: split the batch's leading axis into this many microbatches and apply
+        one update with their averaged gradients.
+      max_grad_norm: if set, clip the unscaled gradients to this global norm before `tx`.
+
+    Returns:
+      `train_step(state, batch, rng) -> (new_state, metrics)`, where `rng` is one base key for the
+      whole run (the step folds in the step number and replica index) and `metrics` holds "loss"
+      (unscaled, fp32), "grad_norm" (of the unscaled gradients, before clipping), "loss_scale"
+      (after adjusting), "grads_finite" (bool), "skipped_steps" (int32) and the loss_fn metrics
+      (fp32, averaged over microbatches and replicas; the names above win on a clash).
+
+    Example:
+      >>> def loss_fn(params, model_state, batch, rng):  # a model with batch_stats
+      ...   logits, new_ms = model.apply({"params": params, **model_state}, batch["x"],
+      ...                                mutable=list(model_state), rngs={"dropout": rng})
+      ...   loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+      ...   return loss, (new_ms, {})
+      >>> train_step = jax.jit(make_train_step(loss_fn, tx), donate_argnums=0)
+      >>> state, metrics = train_step(state, batch, jax.random.key(0))
+    """
+    if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}.")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}.")
+
+    def train_step(state: TrainState, batch: PyTree, rng: jax.Array):
+        # Callers pass one base key; folding in the step gives fresh dropout every step ...
+        rng = jax.random.fold_in(rng, state.step)
+        if axis_name is not None:  # ... and the replica index different dropout per replica.
+            rng = jax.random.fold_in(rng, lax.axis_index(axis_name))
+        loss_scale = state.loss_scale  # keep the scale the grads are computed with for unscaling
+        if accumulation_steps == 1:
+            grads, loss, model_state, metrics = _scaled_grads(
+                loss_fn, loss_scale, state.params, state.model_state, batch, rng)
+        else:
+            grads, loss, model_state, metrics = _accumulated_grads(
+                loss_fn, loss_scale, state.params, state.model_state, batch, rng,
+                accumulation_steps)
+        if axis_name is not None:
+            # Average before checking finiteness: an inf on one replica becomes an inf on all, so
+            # every replica takes the same skip decision and the replicas never drift apart. Batch
+            # statistics are averaged too, for the same reason.
+            grads, loss, model_state, metrics = _pmean_floats(
+                (grads, loss, model_state, metrics), axis_name)
+        grads = loss_scale.unscale(grads)  # the scale of step 2, not the adjusted one
+        finite = all_finite(grads)
+        grad_norm = optax.tree.norm(grads)
+        if max_grad_norm is not None:  # a threshold in true gradient units, so clip unscaled
+            grads = _clip_by_global_norm(grads, grad_norm, max_grad_norm)
+        # The optimizer state was built from the params: hand it grads of the same dtypes.
+        grads = jax.tree.map(lambda g, p: g.astype(jnp.asarray(p).dtype), grads, state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        # A skipped step leaves everything but the loss scale and the counters bit-identical,
+        # batch statistics included (a nan in them would otherwise poison every later step).
+        params, opt_state, model_state = select_tree(
+            finite, (params, opt_state, model_state),
+            (state.params, state.opt_state, state.model_state))
+        new_loss_scale = loss_scale.adjust(finite)  # back off on overflow, grow when stable
+        skipped_steps = state.skipped_steps + jnp.logical_not(finite).astype(jnp.int32)
+        new_state = state.replace(
+            step=state.step + 1,  # counts skipped steps too: schedules and rngs move on
+            params=params, opt_state=opt_state, model_state=model_state,
+            loss_scale=new_loss_scale, skipped_steps=skipped_steps)
+        metrics = {
+            **metrics, "loss": loss, "grad_norm": grad_norm,
+            "loss_scale": new_loss_scale.loss_scale, "grads_finite": finite,
+            "skipped_steps": skipped_steps}
+        return new_state, metrics
+
+    # Lets jamp.parallel refuse to pmap a step that would not average across replicas.
+    train_step.axis_name = axis_name
+    return train_step
+
+
+def make_eval_step(
+    eval_fn: EvalFn, *, axis_name: str | None = None,
+) -> Callable[[TrainState, PyTree], dict[str, jax.Array]]:
+    """Builds a pure eval step that returns fp32 metrics, averaged over replicas.
+
+    Args:
+      eval_fn: `eval_fn(params, model_state, batch) -> metrics`, a dict of scalars.
+      axis_name: the pmap axis to average the metrics over; None on a single device.
+
+    Returns:
+      `eval_step(state, batch) -> metrics`, with every metric an fp32 scalar.
+
+    Example:
+      >>> def eval_fn(params, model_state, batch):
+      ...   logits = model.apply({"params": params, **model_state}, batch["x"], train=False)
+      ...   return {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["y"])}
+      >>> metrics = jax.jit(make_eval_step(eval_fn))(state, batch)
+    """
+    def eval_step(state: TrainState, batch: PyTree) -> dict[str, jax.Array]:
+        metrics = _metrics_fp32(eval_fn(state.params, state.model_state, batch))
+        if axis_name is not None:  # equal shards: the mean of shard means is the batch mean
+            metrics = lax.pmean(metrics, axis_name)
+        return metrics
+
+    eval_step.axis_name = axis_name
+    return eval_step
