@@ -10,6 +10,7 @@ Example:
   >>> grads = ls.unscale(grads_of_scaled_loss)
   >>> ls = ls.adjust(all_finite(grads))
 """
+
 import math
 from typing import Any, TypeVar, Union
 
@@ -97,8 +98,9 @@ class StaticLossScale:
 
     def __init__(self, loss_scale):
         if _is_number(loss_scale) and not 0 < loss_scale < math.inf:
-            raise ValueError(f"StaticLossScale: loss_scale must be finite and > 0, "
-                             f"got {loss_scale}")
+            raise ValueError(
+                f"StaticLossScale: loss_scale must be finite and > 0, got {loss_scale}"
+            )
         object.__setattr__(self, "loss_scale", _as_f32(loss_scale))
 
     def scale(self, tree: T) -> T:
@@ -119,8 +121,12 @@ def _check_config(scale, growth_interval, growth_factor, backoff_factor, hystere
     for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
             raise bad(f"{name} must be an int >= 1, got {value!r}")
-    for name, value in (("growth_factor", growth_factor), ("backoff_factor", backoff_factor),
-                        ("min_loss_scale", lo), ("max_loss_scale", hi)):
+    for name, value in (
+        ("growth_factor", growth_factor),
+        ("backoff_factor", backoff_factor),
+        ("min_loss_scale", lo),
+        ("max_loss_scale", hi),
+    ):
         if not _is_number(value):
             raise bad(f"{name} must be a Python number, got {value!r}")
     if not growth_factor > 1:
@@ -190,14 +196,31 @@ class DynamicLossScale:
     min_loss_scale: float = struct.field(pytree_node=False, default=1.0)
     max_loss_scale: float = struct.field(pytree_node=False, default=2.0**24)
 
-    def __init__(self, loss_scale=2.0**16, growth_interval=2000, growth_factor=2.0,
-                 backoff_factor=0.5, hysteresis=1, min_loss_scale=1.0, max_loss_scale=2.0**24,
-                 *, counter=_FRESH, hysteresis_left=_FRESH):
+    def __init__(
+        self,
+        loss_scale=2.0**16,
+        growth_interval=2000,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        hysteresis=1,
+        min_loss_scale=1.0,
+        max_loss_scale=2.0**24,
+        *,
+        counter=_FRESH,
+        hysteresis_left=_FRESH,
+    ):
         fresh = counter is _FRESH or hysteresis_left is _FRESH
         if fresh:
             # Only a user's call gets here, so converting and reading values is safe.
-            _check_config(loss_scale, growth_interval, growth_factor, backoff_factor,
-                          hysteresis, min_loss_scale, max_loss_scale)
+            _check_config(
+                loss_scale,
+                growth_interval,
+                growth_factor,
+                backoff_factor,
+                hysteresis,
+                min_loss_scale,
+                max_loss_scale,
+            )
             growth_interval, hysteresis = int(growth_interval), int(hysteresis)
             growth_factor, backoff_factor = float(growth_factor), float(backoff_factor)
             min_loss_scale, max_loss_scale = float(min_loss_scale), float(max_loss_scale)
@@ -206,12 +229,17 @@ class DynamicLossScale:
                 counter = jnp.zeros((), jnp.int32)
             if hysteresis_left is _FRESH:
                 hysteresis_left = jnp.asarray(hysteresis, jnp.int32)
-        for name, value in (("loss_scale", loss_scale), ("counter", counter),
-                            ("hysteresis_left", hysteresis_left),
-                            ("growth_interval", growth_interval),
-                            ("growth_factor", growth_factor), ("backoff_factor", backoff_factor),
-                            ("hysteresis", hysteresis), ("min_loss_scale", min_loss_scale),
-                            ("max_loss_scale", max_loss_scale)):
+        for name, value in (
+            ("loss_scale", loss_scale),
+            ("counter", counter),
+            ("hysteresis_left", hysteresis_left),
+            ("growth_interval", growth_interval),
+            ("growth_factor", growth_factor),
+            ("backoff_factor", backoff_factor),
+            ("hysteresis", hysteresis),
+            ("min_loss_scale", min_loss_scale),
+            ("max_loss_scale", max_loss_scale),
+        ):
             object.__setattr__(self, name, value)
 
     def scale(self, tree: T) -> T:
@@ -226,7 +254,8 @@ class DynamicLossScale:
         finite = jnp.asarray(grads_finite)
         if finite.shape != () or finite.dtype != jnp.bool_:
             raise ValueError(
-                f"grads_finite must be a bool scalar, got {finite.dtype}{finite.shape}")
+                f"grads_finite must be a bool scalar, got {finite.dtype}{finite.shape}"
+            )
         counter = self.counter + 1
         # `>=` rather than `==` so a counter restored under a smaller interval still grows.
         grow = finite & (counter >= self.growth_interval)
@@ -235,14 +264,18 @@ class DynamicLossScale:
         back_off = ~finite & (left_after_overflow <= 0)
         scale = self.loss_scale
         scale = jnp.where(grow, jnp.minimum(scale * self.growth_factor, self.max_loss_scale), scale)
-        scale = jnp.where(back_off, jnp.maximum(scale * self.backoff_factor, self.min_loss_scale),
-                          scale)
+        scale = jnp.where(
+            back_off, jnp.maximum(scale * self.backoff_factor, self.min_loss_scale), scale
+        )
         counter = jnp.where(finite & ~grow, counter, 0)
         left = jnp.where(finite, self.hysteresis_left, left_after_overflow)
         left = jnp.where(grow, self.hysteresis, left)
         # Explicit dtypes: a weak-typed leaf would change the treedef's avals and recompile.
-        return self.replace(loss_scale=scale.astype(jnp.float32), counter=counter.astype(jnp.int32),
-                            hysteresis_left=left.astype(jnp.int32))
+        return self.replace(
+            loss_scale=scale.astype(jnp.float32),
+            counter=counter.astype(jnp.int32),
+            hysteresis_left=left.astype(jnp.int32),
+        )
 
 
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]

@@ -26,148 +26,157 @@ _ACC = np.dtype(jnp.float32)
 
 
 def _free_dims(ndim, *used):
-  taken = set().union(*map(set, used))
-  return [d for d in range(ndim) if d not in taken]
+    taken = set().union(*map(set, used))
+    return [d for d in range(ndim) if d not in taken]
 
 
 def _canonical_matmul(lhs, rhs, dims):
-  """The same product as a [batch, M, K] x [batch, K, N] matmul behind an optimization barrier.
+    """The same product as a [batch, M, K] x [batch, K, N] matmul behind an optimization barrier.
 
-  XLA:CPU runs bf16 x bf16 -> fp32 only in its fast matmul kernels, which take this layout; its
-  generic dot rejects that type combination at run time. Left alone, XLA folds neighbouring
-  transposes into the dot's dimension numbers and may hand it to the generic dot, so the operands
-  are materialised in the canonical layout and the barrier keeps them there.
-  """
-  (lc, rc), (lb, rb) = dims
-  l_free = _free_dims(lhs.ndim, lc, lb)
-  r_free = _free_dims(rhs.ndim, rc, rb)
-  batch = [lhs.shape[d] for d in lb]
-  size = lambda x, axes: int(np.prod([x.shape[d] for d in axes], dtype=np.int64))
-  m, k, n, b = size(lhs, l_free), size(lhs, lc), size(rhs, r_free), size(lhs, lb)
-  lhs3 = lax.transpose(lhs, tuple(lb) + tuple(l_free) + tuple(lc)).reshape(b, m, k)
-  rhs3 = lax.transpose(rhs, tuple(rb) + tuple(rc) + tuple(r_free)).reshape(b, k, n)
-  lhs3, rhs3 = lax.optimization_barrier((lhs3, rhs3))
-  if not lb:
-    out = lax.dot_general(lhs3[0], rhs3[0], (((1,), (0,)), ((), ())), preferred_element_type=_ACC)
-  else:
-    out = lax.dot_general(lhs3, rhs3, (((2,), (1,)), ((0,), (0,))), preferred_element_type=_ACC)
-  out = lax.optimization_barrier(out)
-  return out.reshape(tuple(batch) + tuple(lhs.shape[d] for d in l_free)
-                     + tuple(rhs.shape[d] for d in r_free))
+    XLA:CPU runs bf16 x bf16 -> fp32 only in its fast matmul kernels, which take this layout; its
+    generic dot rejects that type combination at run time. Left alone, XLA folds neighbouring
+    transposes into the dot's dimension numbers and may hand it to the generic dot, so the operands
+    are materialised in the canonical layout and the barrier keeps them there.
+    """
+    (lc, rc), (lb, rb) = dims
+    l_free = _free_dims(lhs.ndim, lc, lb)
+    r_free = _free_dims(rhs.ndim, rc, rb)
+    batch = [lhs.shape[d] for d in lb]
+    size = lambda x, axes: int(np.prod([x.shape[d] for d in axes], dtype=np.int64))
+    m, k, n, b = size(lhs, l_free), size(lhs, lc), size(rhs, r_free), size(lhs, lb)
+    lhs3 = lax.transpose(lhs, tuple(lb) + tuple(l_free) + tuple(lc)).reshape(b, m, k)
+    rhs3 = lax.transpose(rhs, tuple(rb) + tuple(rc) + tuple(r_free)).reshape(b, k, n)
+    lhs3, rhs3 = lax.optimization_barrier((lhs3, rhs3))
+    if not lb:
+        out = lax.dot_general(
+            lhs3[0], rhs3[0], (((1,), (0,)), ((), ())), preferred_element_type=_ACC
+        )
+    else:
+        out = lax.dot_general(lhs3, rhs3, (((2,), (1,)), ((0,), (0,))), preferred_element_type=_ACC)
+    out = lax.optimization_barrier(out)
+    return out.reshape(
+        tuple(batch) + tuple(lhs.shape[d] for d in l_free) + tuple(rhs.shape[d] for d in r_free)
+    )
 
 
 def _matmul(lhs, rhs, dims, out_dtype):
-  if jax.default_backend() == "cpu":
-    return _canonical_matmul(lhs, rhs, dims).astype(out_dtype)
-  return lax.dot_general(lhs, rhs, dims, preferred_element_type=_ACC).astype(out_dtype)
+    if jax.default_backend() == "cpu":
+        return _canonical_matmul(lhs, rhs, dims).astype(out_dtype)
+    return lax.dot_general(lhs, rhs, dims, preferred_element_type=_ACC).astype(out_dtype)
 
 
 def _inverse_permutation(src):
-  # `src[i]` is the operand axis that result axis i holds; return the transpose to operand order.
-  return tuple(src.index(axis) for axis in range(len(src)))
+    # `src[i]` is the operand axis that result axis i holds; return the transpose to operand order.
+    return tuple(src.index(axis) for axis in range(len(src)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _dot(lhs, rhs, dimension_numbers, compute_dtype, out_dtype):
-  return _matmul(lhs.astype(compute_dtype), rhs.astype(compute_dtype), dimension_numbers, out_dtype)
+    return _matmul(
+        lhs.astype(compute_dtype), rhs.astype(compute_dtype), dimension_numbers, out_dtype
+    )
 
 
 def _dot_fwd(lhs, rhs, dimension_numbers, compute_dtype, out_dtype):
-  lhs_c, rhs_c = lhs.astype(compute_dtype), rhs.astype(compute_dtype)
-  out = _matmul(lhs_c, rhs_c, dimension_numbers, out_dtype)
-  # Keep the 16-bit copies, not the fp32 originals: half the residual memory. The zero-size
-  # arrays only carry the operands' dtypes to the backward pass.
-  return out, (lhs_c, rhs_c, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
+    lhs_c, rhs_c = lhs.astype(compute_dtype), rhs.astype(compute_dtype)
+    out = _matmul(lhs_c, rhs_c, dimension_numbers, out_dtype)
+    # Keep the 16-bit copies, not the fp32 originals: half the residual memory. The zero-size
+    # arrays only carry the operands' dtypes to the backward pass.
+    return out, (lhs_c, rhs_c, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
 
 
 def _dot_bwd(dimension_numbers, compute_dtype, out_dtype, residuals, g):
-  del out_dtype
-  lhs_c, rhs_c, lhs_like, rhs_like = residuals
-  (lc, rc), (lb, rb) = dimension_numbers
-  lc, rc, lb, rb = map(list, (lc, rc, lb, rb))
-  nb = len(lb)
-  l_free = _free_dims(lhs_c.ndim, lc, lb)
-  r_free = _free_dims(rhs_c.ndim, rc, rb)
-  # The result's axes are [batch] + [lhs free] + [rhs free].
-  g_batch = list(range(nb))
-  g_lfree = list(range(nb, nb + len(l_free)))
-  g_rfree = list(range(nb + len(l_free), g.ndim))
-  g_c = g.astype(compute_dtype)
+    del out_dtype
+    lhs_c, rhs_c, lhs_like, rhs_like = residuals
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, rc, lb, rb = map(list, (lc, rc, lb, rb))
+    nb = len(lb)
+    l_free = _free_dims(lhs_c.ndim, lc, lb)
+    r_free = _free_dims(rhs_c.ndim, rc, rb)
+    # The result's axes are [batch] + [lhs free] + [rhs free].
+    g_batch = list(range(nb))
+    g_lfree = list(range(nb, nb + len(l_free)))
+    g_rfree = list(range(nb + len(l_free), g.ndim))
+    g_c = g.astype(compute_dtype)
 
-  # d lhs: contract g's rhs-free axes with rhs's free axes. Result axes: [batch] + [lhs free] +
-  # [rhs's contracting axes in ascending order], each of which pairs with one lhs contracting axis.
-  d_lhs = _matmul(g_c, rhs_c, ((g_rfree, r_free), (g_batch, rb)), _ACC)
-  src = lb + l_free + [lc[rc.index(r)] for r in sorted(rc)]
-  d_lhs = lax.transpose(d_lhs, _inverse_permutation(src))
+    # d lhs: contract g's rhs-free axes with rhs's free axes. Result axes: [batch] + [lhs free] +
+    # [rhs's contracting axes in ascending order], each of which pairs with one lhs contracting axis.
+    d_lhs = _matmul(g_c, rhs_c, ((g_rfree, r_free), (g_batch, rb)), _ACC)
+    src = lb + l_free + [lc[rc.index(r)] for r in sorted(rc)]
+    d_lhs = lax.transpose(d_lhs, _inverse_permutation(src))
 
-  # d rhs: contract lhs's free axes with g's lhs-free axes. Result axes: [batch] + [lhs's
-  # contracting axes in ascending order] + [rhs free].
-  d_rhs = _matmul(lhs_c, g_c, ((l_free, g_lfree), (lb, g_batch)), _ACC)
-  src = rb + [rc[lc.index(axis)] for axis in sorted(lc)] + r_free
-  d_rhs = lax.transpose(d_rhs, _inverse_permutation(src))
-  return d_lhs.astype(lhs_like.dtype), d_rhs.astype(rhs_like.dtype)
+    # d rhs: contract lhs's free axes with g's lhs-free axes. Result axes: [batch] + [lhs's
+    # contracting axes in ascending order] + [rhs free].
+    d_rhs = _matmul(lhs_c, g_c, ((l_free, g_lfree), (lb, g_batch)), _ACC)
+    src = rb + [rc[lc.index(axis)] for axis in sorted(lc)] + r_free
+    d_rhs = lax.transpose(d_rhs, _inverse_permutation(src))
+    return d_lhs.astype(lhs_like.dtype), d_rhs.astype(rhs_like.dtype)
 
 
 _dot.defvjp(_dot_fwd, _dot_bwd)
 
 
 def mixed_dot_general(lhs, rhs, dimension_numbers, compute_dtype, out_dtype):
-  """`lax.dot_general` on operands cast to `compute_dtype`, accumulated in fp32.
+    """`lax.dot_general` on operands cast to `compute_dtype`, accumulated in fp32.
 
-  Args:
-    lhs, rhs: floating arrays of any dtype.
-    dimension_numbers: as for `lax.dot_general`.
-    compute_dtype: dtype of both operands of the forward and backward matmuls.
-    out_dtype: dtype of the result.
+    Args:
+      lhs, rhs: floating arrays of any dtype.
+      dimension_numbers: as for `lax.dot_general`.
+      compute_dtype: dtype of both operands of the forward and backward matmuls.
+      out_dtype: dtype of the result.
 
-  Returns:
-    The product, in `out_dtype`. Its gradients come back in `lhs.dtype` and `rhs.dtype`.
-  """
-  dims = tuple(tuple(tuple(int(d) for d in axes) for axes in pair) for pair in dimension_numbers)
-  return _dot(lhs, rhs, dims, np.dtype(compute_dtype), np.dtype(out_dtype))
+    Returns:
+      The product, in `out_dtype`. Its gradients come back in `lhs.dtype` and `rhs.dtype`.
+    """
+    dims = tuple(tuple(tuple(int(d) for d in axes) for axes in pair) for pair in dimension_numbers)
+    return _dot(lhs, rhs, dims, np.dtype(compute_dtype), np.dtype(out_dtype))
 
 
 def _conv(lhs, rhs, params, preferred):
-  return lax.conv_general_dilated_p.bind(lhs, rhs, **dict(params), preferred_element_type=preferred)
+    return lax.conv_general_dilated_p.bind(
+        lhs, rhs, **dict(params), preferred_element_type=preferred
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _mixed_conv(lhs, rhs, params, compute_dtype, out_dtype):
-  return _conv(lhs.astype(compute_dtype), rhs.astype(compute_dtype), params, _ACC).astype(out_dtype)
+    return _conv(lhs.astype(compute_dtype), rhs.astype(compute_dtype), params, _ACC).astype(
+        out_dtype
+    )
 
 
 def _conv_fwd(lhs, rhs, params, compute_dtype, out_dtype):
-  lhs_c, rhs_c = lhs.astype(compute_dtype), rhs.astype(compute_dtype)
-  out = _conv(lhs_c, rhs_c, params, _ACC).astype(out_dtype)
-  return out, (lhs_c, rhs_c, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
+    lhs_c, rhs_c = lhs.astype(compute_dtype), rhs.astype(compute_dtype)
+    out = _conv(lhs_c, rhs_c, params, _ACC).astype(out_dtype)
+    return out, (lhs_c, rhs_c, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
 
 
 def _conv_bwd(params, compute_dtype, out_dtype, residuals, g):
-  del out_dtype
-  lhs_c, rhs_c, lhs_like, rhs_like = residuals
-  # Convolution transposes are convolutions with rearranged windows; JAX's own rules get those
-  # right. Running them on a compute-dtype cotangent keeps every backward operand 16-bit; XLA
-  # accumulates these convolutions in fp32 internally.
-  _, vjp = jax.vjp(lambda x, w: _conv(x, w, params, None), lhs_c, rhs_c)
-  d_lhs, d_rhs = vjp(g.astype(compute_dtype))
-  return d_lhs.astype(lhs_like.dtype), d_rhs.astype(rhs_like.dtype)
+    del out_dtype
+    lhs_c, rhs_c, lhs_like, rhs_like = residuals
+    # Convolution transposes are convolutions with rearranged windows; JAX's own rules get those
+    # right. Running them on a compute-dtype cotangent keeps every backward operand 16-bit; XLA
+    # accumulates these convolutions in fp32 internally.
+    _, vjp = jax.vjp(lambda x, w: _conv(x, w, params, None), lhs_c, rhs_c)
+    d_lhs, d_rhs = vjp(g.astype(compute_dtype))
+    return d_lhs.astype(lhs_like.dtype), d_rhs.astype(rhs_like.dtype)
 
 
 _mixed_conv.defvjp(_conv_fwd, _conv_bwd)
 
 
 def mixed_conv(lhs, rhs, params, compute_dtype, out_dtype):
-  """`lax.conv_general_dilated` on operands cast to `compute_dtype`.
+    """`lax.conv_general_dilated` on operands cast to `compute_dtype`.
 
-  Args:
-    lhs, rhs: floating input and kernel, any dtype.
-    params: the `conv_general_dilated` primitive's parameters, as a mapping (its
-      `preferred_element_type` is replaced).
-    compute_dtype: dtype of the operands of the forward and backward convolutions.
-    out_dtype: dtype of the result.
+    Args:
+      lhs, rhs: floating input and kernel, any dtype.
+      params: the `conv_general_dilated` primitive's parameters, as a mapping (its
+        `preferred_element_type` is replaced).
+      compute_dtype: dtype of the operands of the forward and backward convolutions.
+      out_dtype: dtype of the result.
 
-  Returns:
-    The convolution, in `out_dtype`; gradients come back in the operands' own dtypes.
-  """
-  frozen = tuple(sorted((k, v) for k, v in params.items() if k != "preferred_element_type"))
-  return _mixed_conv(lhs, rhs, frozen, np.dtype(compute_dtype), np.dtype(out_dtype))
+    Returns:
+      The convolution, in `out_dtype`; gradients come back in the operands' own dtypes.
+    """
+    frozen = tuple(sorted((k, v) for k, v in params.items() if k != "preferred_element_type"))
+    return _mixed_conv(lhs, rhs, frozen, np.dtype(compute_dtype), np.dtype(out_dtype))

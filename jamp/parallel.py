@@ -33,7 +33,10 @@ def local_device_count() -> int:
 
 
 def replicate(
-    tree: PyTree, devices: Sequence[jax.Device] | None = None, *, axis_name: str = AXIS_NAME,
+    tree: PyTree,
+    devices: Sequence[jax.Device] | None = None,
+    *,
+    axis_name: str = AXIS_NAME,
 ) -> PyTree:
     """Puts one copy of every leaf on each device, stacked along a new leading device axis.
 
@@ -65,8 +68,7 @@ def replicate(
         # Copy the leaf to each device once and assemble the global array from those pieces, so
         # the host never materializes num_devices copies (device_put_replicated is gone in 0.10).
         pieces = [jax.device_put(x[None], device) for device in devices]
-        return jax.make_array_from_single_device_arrays(
-            (len(devices),) + x.shape, sharding, pieces)
+        return jax.make_array_from_single_device_arrays((len(devices),) + x.shape, sharding, pieces)
 
     return jax.tree.map(put, tree)
 
@@ -85,6 +87,7 @@ def unreplicate(tree: PyTree) -> PyTree:
       >>> unreplicate(replicate({"w": jnp.ones(3)}))["w"].shape
       (3,)
     """
+
     def first(x):
         if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
             # Read replica 0 from the device that holds it: `x[0]` would instead give an array
@@ -123,7 +126,8 @@ def shard(batch: PyTree, num_devices: int | None = None) -> PyTree:
         if size is None or size % num_devices:
             raise ValueError(
                 f"cannot shard a batch of size {size} across {num_devices} devices: the global "
-                f"batch size must be a multiple of the device count.")
+                f"batch size must be a multiple of the device count."
+            )
         return x.reshape((num_devices, size // num_devices) + tuple(np.shape(x)[1:]))
 
     return jax.tree.map(split, batch)
@@ -135,11 +139,15 @@ def _check_axis_name(step: Callable, axis_name: str) -> None:
     if built_for != axis_name:
         raise ValueError(
             f"the step was built with axis_name={built_for!r} but is pmapped over "
-            f"axis_name={axis_name!r}; build it with make_*_step(..., axis_name={axis_name!r}).")
+            f"axis_name={axis_name!r}; build it with make_*_step(..., axis_name={axis_name!r})."
+        )
 
 
 def make_p_train_step(
-    train_step: Callable, *, axis_name: str = AXIS_NAME, donate_state: bool = True,
+    train_step: Callable,
+    *,
+    axis_name: str = AXIS_NAME,
+    donate_state: bool = True,
 ) -> Callable:
     """Pmaps a train step over the local devices.
 
@@ -162,8 +170,11 @@ def make_p_train_step(
     """
     _check_axis_name(train_step, axis_name)
     return jax.pmap(
-        train_step, axis_name=axis_name, in_axes=(0, 0, None),
-        donate_argnums=(0,) if donate_state else ())
+        train_step,
+        axis_name=axis_name,
+        in_axes=(0, 0, None),
+        donate_argnums=(0,) if donate_state else (),
+    )
 
 
 def make_p_eval_step(eval_step: Callable, *, axis_name: str = AXIS_NAME) -> Callable:

@@ -4,6 +4,7 @@ A policy names three dtypes: the one parameters are stored in, the one the
 model computes in, and the one its outputs are returned in. jamp uses
 `jmp.Policy` unchanged, so anything that takes a jmp policy takes ours.
 """
+
 from typing import Union
 
 import jax.numpy as jnp
@@ -13,21 +14,27 @@ PRESETS = ("float32", "mixed_float16", "mixed_bfloat16")
 
 # Presets are spelt in jmp's grammar so that jmp builds every policy we return.
 _PRESET_SPECS = {
-        "float32": "p=f32,c=f32,o=f32",
-        "mixed_float16": "p=f32,c=f16,o=f32",
-        "mixed_bfloat16": "p=f32,c=bf16,o=f32",
+    "float32": "p=f32,c=f32,o=f32",
+    "mixed_float16": "p=f32,c=f16,o=f32",
+    "mixed_bfloat16": "p=f32,c=bf16,o=f32",
 }
-_KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute",
-                  "o": "output", "output": "output"}
+_KEYS = {
+    "p": "params",
+    "params": "params",
+    "c": "compute",
+    "compute": "compute",
+    "o": "output",
+    "output": "output",
+}
 # jmp also knows float64; mixed precision has no use for it, so it is refused.
 # "half" is jmp's backend-dependent 16-bit type (bfloat16 on TPU, float16 elsewhere).
 DTYPE_NAMES = ("float32", "f32", "full", "float16", "f16", "half", "bfloat16", "bf16")
 _ALLOWED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 _ACCEPTED = (
-        "Accepted: a preset (" + ", ".join(PRESETS) + "); a dtype name used for all three "
-        "dtypes (" + ", ".join(DTYPE_NAMES) + "); or comma-separated key=dtype pairs with keys "
-        "p/params, c/compute, o/output (e.g. 'p=f32,c=bf16,o=f32'; params default to float32, "
-        "compute follows params, output follows compute)."
+    "Accepted: a preset (" + ", ".join(PRESETS) + "); a dtype name used for all three "
+    "dtypes (" + ", ".join(DTYPE_NAMES) + "); or comma-separated key=dtype pairs with keys "
+    "p/params, c/compute, o/output (e.g. 'p=f32,c=bf16,o=f32'; params default to float32, "
+    "compute follows params, output follows compute)."
 )
 
 PolicyLike = Union[str, jmp.Policy]

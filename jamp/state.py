@@ -57,12 +57,12 @@ class TrainState:
 
     @classmethod
     def create(
-            cls,
-            params: PyTree,
-            tx: optax.GradientTransformation,
-            *,
-            model_state: Mapping[str, Any] | None = None,
-            loss_scale: Any = None,
+        cls,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        *,
+        model_state: Mapping[str, Any] | None = None,
+        loss_scale: Any = None,
     ) -> "TrainState":
         """Builds the state for step 0 and initializes the optimizer state from `params`.
 
@@ -83,10 +83,10 @@ class TrainState:
             >>> state = TrainState.create(params, optax.sgd(0.1), model_state=variables)
         """
         return cls(
-                step=_int32_scalar(0),
-                params=params,
-                opt_state=tx.init(params),
-                model_state={} if model_state is None else model_state,
-                loss_scale=NoOpLossScale() if loss_scale is None else loss_scale,
-                skipped_steps=_int32_scalar(0),
+            step=_int32_scalar(0),
+            params=params,
+            opt_state=tx.init(params),
+            model_state={} if model_state is None else model_state,
+            loss_scale=NoOpLossScale() if loss_scale is None else loss_scale,
+            skipped_steps=_int32_scalar(0),
         )

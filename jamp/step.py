@@ -37,6 +37,7 @@ EvalFn = Callable[[PyTree, PyTree, PyTree], Metrics]
 
 def _pmean_floats(tree: PyTree, axis_name: str) -> PyTree:
     """Averages the floating-point leaves of `tree` over `axis_name`; other leaves pass through."""
+
     # Integer leaves (counters in model state) are the same on every replica already, and a pmean
     # of integers would truncate.
     def mean(x):
@@ -60,12 +61,14 @@ def _conform(new: PyTree, old: PyTree, what: str) -> PyTree:
     if jax.tree.structure(new) != jax.tree.structure(old):
         raise ValueError(
             f"{what} returned by the loss function has structure {jax.tree.structure(new)}, "
-            f"but the state holds {jax.tree.structure(old)}; they must match.")
+            f"but the state holds {jax.tree.structure(old)}; they must match."
+        )
     return jax.tree.map(lambda n, o: jnp.asarray(n).astype(o.dtype), new, old)
 
 
 def _scaled_grads(loss_fn, loss_scale, params, model_state, batch, rng):
     """Returns (scaled fp32 grads, fp32 loss, new model state, fp32 metrics) for one batch."""
+
     def scaled_loss(p):
         loss, (new_model_state, metrics) = loss_fn(p, model_state, batch, rng)
         if jnp.ndim(loss) != 0:
@@ -92,7 +95,8 @@ def _split_microbatches(batch: PyTree, num_micro: int) -> PyTree:
     if size % num_micro:
         raise ValueError(
             f"batch size {size} (per device under pmap) is not divisible by "
-            f"accumulation_steps={num_micro}.")
+            f"accumulation_steps={num_micro}."
+        )
     return jax.tree.map(lambda x: x.reshape((num_micro, size // num_micro) + x.shape[1:]), batch)
 
 
@@ -106,7 +110,8 @@ def _accumulated_grads(loss_fn, loss_scale, params, model_state, batch, rng, num
         # Each microbatch gets its own dropout mask, as it would as a batch of its own.
         micro_rng = jax.random.fold_in(rng, index)
         grads, loss, state, metrics = _scaled_grads(
-            loss_fn, loss_scale, params, state, micro_batch, micro_rng)
+            loss_fn, loss_scale, params, state, micro_batch, micro_rng
+        )
         # Summing in fp32 keeps k small scaled gradients from rounding away against each other.
         grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
         return (grad_sum, state), (loss, metrics)
@@ -114,7 +119,8 @@ def _accumulated_grads(loss_fn, loss_scale, params, model_state, batch, rng, num
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
     # scan, not a python loop: one traced copy of the model, whatever num_micro is.
     (grad_sum, model_state), (losses, metrics) = lax.scan(
-        body, (zeros, model_state), (micro, jnp.arange(num_micro)))
+        body, (zeros, model_state), (micro, jnp.arange(num_micro))
+    )
     # The mean of microbatch means is the whole-batch mean for equal microbatches: same scale of
     # gradient as one step on the whole batch, so learning rates carry over.
     grads = jax.tree.map(lambda g: g / num_micro, grad_sum)
@@ -177,17 +183,19 @@ def make_train_step(
         loss_scale = state.loss_scale  # keep the scale the grads are computed with for unscaling
         if accumulation_steps == 1:
             grads, loss, model_state, metrics = _scaled_grads(
-                loss_fn, loss_scale, state.params, state.model_state, batch, rng)
+                loss_fn, loss_scale, state.params, state.model_state, batch, rng
+            )
         else:
             grads, loss, model_state, metrics = _accumulated_grads(
-                loss_fn, loss_scale, state.params, state.model_state, batch, rng,
-                accumulation_steps)
+                loss_fn, loss_scale, state.params, state.model_state, batch, rng, accumulation_steps
+            )
         if axis_name is not None:
             # Average before checking finiteness: an inf on one replica becomes an inf on all, so
             # every replica takes the same skip decision and the replicas never drift apart. Batch
             # statistics are averaged too, for the same reason.
             grads, loss, model_state, metrics = _pmean_floats(
-                (grads, loss, model_state, metrics), axis_name)
+                (grads, loss, model_state, metrics), axis_name
+            )
         grads = loss_scale.unscale(grads)  # the scale of step 2, not the adjusted one
         finite = all_finite(grads)
         grad_norm = optax.tree.norm(grads)
@@ -200,18 +208,28 @@ def make_train_step(
         # A skipped step leaves everything but the loss scale and the counters bit-identical,
         # batch statistics included (a nan in them would otherwise poison every later step).
         params, opt_state, model_state = select_tree(
-            finite, (params, opt_state, model_state),
-            (state.params, state.opt_state, state.model_state))
+            finite,
+            (params, opt_state, model_state),
+            (state.params, state.opt_state, state.model_state),
+        )
         new_loss_scale = loss_scale.adjust(finite)  # back off on overflow, grow when stable
         skipped_steps = state.skipped_steps + jnp.logical_not(finite).astype(jnp.int32)
         new_state = state.replace(
             step=state.step + 1,  # counts skipped steps too: schedules and rngs move on
-            params=params, opt_state=opt_state, model_state=model_state,
-            loss_scale=new_loss_scale, skipped_steps=skipped_steps)
+            params=params,
+            opt_state=opt_state,
+            model_state=model_state,
+            loss_scale=new_loss_scale,
+            skipped_steps=skipped_steps,
+        )
         metrics = {
-            **metrics, "loss": loss, "grad_norm": grad_norm,
-            "loss_scale": new_loss_scale.loss_scale, "grads_finite": finite,
-            "skipped_steps": skipped_steps}
+            **metrics,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "loss_scale": new_loss_scale.loss_scale,
+            "grads_finite": finite,
+            "skipped_steps": skipped_steps,
+        }
         return new_state, metrics
 
     # Lets jamp.parallel refuse to pmap a step that would not average across replicas.
@@ -220,7 +238,9 @@ def make_train_step(
 
 
 def make_eval_step(
-    eval_fn: EvalFn, *, axis_name: str | None = None,
+    eval_fn: EvalFn,
+    *,
+    axis_name: str | None = None,
 ) -> Callable[[TrainState, PyTree], dict[str, jax.Array]]:
     """Builds a pure eval step that returns fp32 metrics, averaged over replicas.
 
@@ -237,6 +257,7 @@ def make_eval_step(
       ...   return {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["y"])}
       >>> metrics = jax.jit(make_eval_step(eval_fn))(state, batch)
     """
+
     def eval_step(state: TrainState, batch: PyTree) -> dict[str, jax.Array]:
         metrics = _metrics_fp32(eval_fn(state.params, state.model_state, batch))
         if axis_name is not None:  # equal shards: the mean of shard means is the batch mean

@@ -49,151 +49,202 @@ _TAG = "jamp_policy_"
 
 
 def _policy_tag(index: int) -> str:
-  return f"{_TAG}{index}_"
+    return f"{_TAG}{index}_"
 
 
 def _tag_index(name_stack: str) -> Optional[int]:
-  """The index of the innermost policy tag on a name stack, if any."""
-  at = name_stack.rfind(_TAG)
-  if at < 0:
-    return None
-  digits = name_stack[at + len(_TAG):].split("_", 1)[0]
-  return int(digits)
+    """The index of the innermost policy tag on a name stack, if any."""
+    at = name_stack.rfind(_TAG)
+    if at < 0:
+        return None
+    digits = name_stack[at + len(_TAG) :].split("_", 1)[0]
+    return int(digits)
 
 
 def _matches(key: OverrideKey, module: nn.Module) -> bool:
-  if isinstance(key, type):
-    return isinstance(module, key)
-  return fnmatch.fnmatchcase("/".join(str(p) for p in module.path), key)
+    if isinstance(key, type):
+        return isinstance(module, key)
+    return fnmatch.fnmatchcase("/".join(str(p) for p in module.path), key)
 
 
 @contextlib.contextmanager
 def _computing_in(module: nn.Module, dtype):
-  """Make a layer with a `dtype` attribute compute in `dtype` for the duration of one call.
+    """Make a layer with a `dtype` attribute compute in `dtype` for the duration of one call.
 
-  Casting a layer's inputs is not enough: Flax layers cast to their own `dtype` attribute (a
-  LayerNorm built with `dtype=jnp.bfloat16` normalizes in bf16 whatever it is given). The bound
-  module is a per-call clone, so setting the attribute for the call changes nothing outside it.
-  """
-  if "dtype" not in {f.name for f in dataclasses.fields(module)}:
-    yield
-    return
-  saved = module.dtype
-  object.__setattr__(module, "dtype", dtype)  # linen modules are frozen dataclasses
-  try:
-    yield
-  finally:
-    object.__setattr__(module, "dtype", saved)
+    Casting a layer's inputs is not enough: Flax layers cast to their own `dtype` attribute (a
+    LayerNorm built with `dtype=jnp.bfloat16` normalizes in bf16 whatever it is given). The bound
+    module is a per-call clone, so setting the attribute for the call changes nothing outside it.
+    """
+    if "dtype" not in {f.name for f in dataclasses.fields(module)}:
+        yield
+        return
+    saved = module.dtype
+    object.__setattr__(module, "dtype", dtype)  # linen modules are frozen dataclasses
+    try:
+        yield
+    finally:
+        object.__setattr__(module, "dtype", saved)
 
 
 class Wrapped(nn.Module):
-  """A linen module that runs `module` under `policy`; build it with `jamp.wrap`."""
+    """A linen module that runs `module` under `policy`; build it with `jamp.wrap`."""
 
-  module: nn.Module
-  policy: jmp.Policy
-  overrides: tuple[tuple[OverrideKey, jmp.Policy], ...] = ()
+    module: nn.Module
+    policy: jmp.Policy
+    overrides: tuple[tuple[OverrideKey, jmp.Policy], ...] = ()
 
-  # ----- how a call runs. `nowrap`: Flax must not treat these helpers as module methods, or the
-  # interceptor would intercept itself.
+    # ----- how a call runs. `nowrap`: Flax must not treat these helpers as module methods, or the
+    # interceptor would intercept itself.
 
-  @nn.nowrap
-  def _override_for(self, module: nn.Module) -> Optional[int]:
-    for index, (key, _) in enumerate(self.overrides):
-      if _matches(key, module):
-        return index
-    return None
+    @nn.nowrap
+    def _override_for(self, module: nn.Module) -> Optional[int]:
+        for index, (key, _) in enumerate(self.overrides):
+            if _matches(key, module):
+                return index
+        return None
 
-  @nn.nowrap
-  def _interceptor(self, next_fun, args, kwargs, context):
-    """Mark calls of overridden submodules so that their equations get the override's dtype."""
-    if context.method_name == "setup":
-      return next_fun(*args, **kwargs)
-    index = self._override_for(context.module)
-    if index is None:
-      return next_fun(*args, **kwargs)
-    policy = self.overrides[index][1]
-    with jax.named_scope(_policy_tag(index)), _computing_in(context.module, policy.compute_dtype):
-      args, kwargs = policy.cast_to_compute((args, kwargs))
-      return policy.cast_to_output(next_fun(*args, **kwargs))
+    @nn.nowrap
+    def _interceptor(self, next_fun, args, kwargs, context):
+        """Mark calls of overridden submodules so that their equations get the override's dtype."""
+        if context.method_name == "setup":
+            return next_fun(*args, **kwargs)
+        index = self._override_for(context.module)
+        if index is None:
+            return next_fun(*args, **kwargs)
+        policy = self.overrides[index][1]
+        with (
+            jax.named_scope(_policy_tag(index)),
+            _computing_in(context.module, policy.compute_dtype),
+        ):
+            args, kwargs = policy.cast_to_compute((args, kwargs))
+            return policy.cast_to_output(next_fun(*args, **kwargs))
 
-  @nn.nowrap
-  def _compute_for(self, eqn, inherited):
-    index = _tag_index(str(eqn.source_info.name_stack))
-    return inherited if index is None else np.dtype(self.overrides[index][1].compute_dtype)
+    @nn.nowrap
+    def _compute_for(self, eqn, inherited):
+        index = _tag_index(str(eqn.source_info.name_stack))
+        return inherited if index is None else np.dtype(self.overrides[index][1].compute_dtype)
 
-  @nn.nowrap
-  def _run(self, fn, *args, **kwargs):
-    def traced(*a, **kw):
-      with nn.intercept_methods(self._interceptor):
-        return fn(*a, **kw)
+    @nn.nowrap
+    def _run(self, fn, *args, **kwargs):
+        def traced(*a, **kw):
+            with nn.intercept_methods(self._interceptor):
+                return fn(*a, **kw)
 
-    return autocast_lib.autocast(traced, self.policy.compute_dtype, self._compute_for)(
-        *args, **kwargs)
+        return autocast_lib.autocast(traced, self.policy.compute_dtype, self._compute_for)(
+            *args, **kwargs
+        )
 
-  # ----- the linen entry points, with the inner module's signatures
+    # ----- the linen entry points, with the inner module's signatures
 
-  def init_with_output(self, rngs, *args, method=None, mutable=DenyList("intermediates"),
-                       capture_intermediates=False, **kwargs):
-    """Like `module.init_with_output`; params come back in the policy's param dtype."""
-    out, variables = self._run(self.module.init_with_output, rngs, *args, method=method,
-                               mutable=mutable, capture_intermediates=capture_intermediates,
-                               **kwargs)
-    variables = dict(variables)
-    if "params" in variables:
-      variables["params"] = self.policy.cast_to_param(variables["params"])
-    return self.policy.cast_to_output(out), variables
+    def init_with_output(
+        self,
+        rngs,
+        *args,
+        method=None,
+        mutable=DenyList("intermediates"),
+        capture_intermediates=False,
+        **kwargs,
+    ):
+        """Like `module.init_with_output`; params come back in the policy's param dtype."""
+        out, variables = self._run(
+            self.module.init_with_output,
+            rngs,
+            *args,
+            method=method,
+            mutable=mutable,
+            capture_intermediates=capture_intermediates,
+            **kwargs,
+        )
+        variables = dict(variables)
+        if "params" in variables:
+            variables["params"] = self.policy.cast_to_param(variables["params"])
+        return self.policy.cast_to_output(out), variables
 
-  def init(self, rngs, *args, method=None, mutable=DenyList("intermediates"),
-           capture_intermediates=False, **kwargs):
-    """Like `module.init`: the same variables, with params in the policy's param dtype."""
-    variables = self.module.init(rngs, *args, method=method, mutable=mutable,
-                                 capture_intermediates=capture_intermediates, **kwargs)
-    variables = dict(variables)
-    if "params" in variables:
-      variables["params"] = self.policy.cast_to_param(variables["params"])
-    return variables
+    def init(
+        self,
+        rngs,
+        *args,
+        method=None,
+        mutable=DenyList("intermediates"),
+        capture_intermediates=False,
+        **kwargs,
+    ):
+        """Like `module.init`: the same variables, with params in the policy's param dtype."""
+        variables = self.module.init(
+            rngs,
+            *args,
+            method=method,
+            mutable=mutable,
+            capture_intermediates=capture_intermediates,
+            **kwargs,
+        )
+        variables = dict(variables)
+        if "params" in variables:
+            variables["params"] = self.policy.cast_to_param(variables["params"])
+        return variables
 
-  def apply(self, variables, *args, rngs=None, method=None, mutable=False,
-            capture_intermediates=False, **kwargs):
-    """Like `module.apply`, under the policy; the module's output is cast to the output dtype."""
-    result = self._run(self.module.apply, variables, *args, rngs=rngs, method=method,
-                       mutable=mutable, capture_intermediates=capture_intermediates, **kwargs)
-    if mutable is False:
-      return self.policy.cast_to_output(result)
-    out, state = result
-    return self.policy.cast_to_output(out), state
+    def apply(
+        self,
+        variables,
+        *args,
+        rngs=None,
+        method=None,
+        mutable=False,
+        capture_intermediates=False,
+        **kwargs,
+    ):
+        """Like `module.apply`, under the policy; the module's output is cast to the output dtype."""
+        result = self._run(
+            self.module.apply,
+            variables,
+            *args,
+            rngs=rngs,
+            method=method,
+            mutable=mutable,
+            capture_intermediates=capture_intermediates,
+            **kwargs,
+        )
+        if mutable is False:
+            return self.policy.cast_to_output(result)
+        out, state = result
+        return self.policy.cast_to_output(out), state
 
-  def __call__(self, *args, **kwargs):
-    raise TypeError(
-        "A jamp-wrapped module is used through .init() / .apply(); to use a policy inside a "
-        "larger model, wrap the outer model instead.")
+    def __call__(self, *args, **kwargs):
+        raise TypeError(
+            "A jamp-wrapped module is used through .init() / .apply(); to use a policy inside a "
+            "larger model, wrap the outer model instead."
+        )
 
 
-def wrap(module: nn.Module, policy: PolicyLike,
-         overrides: Optional[Mapping[OverrideKey, PolicyLike]] = None) -> Wrapped:
-  """Return `module` running under a precision policy, without editing the module.
+def wrap(
+    module: nn.Module,
+    policy: PolicyLike,
+    overrides: Optional[Mapping[OverrideKey, PolicyLike]] = None,
+) -> Wrapped:
+    """Return `module` running under a precision policy, without editing the module.
 
-  Args:
-    module: any unbound `flax.linen.Module`.
-    policy: a `jmp.Policy` or any spec `jamp.get_policy` accepts, e.g. "mixed_bfloat16".
-    overrides: maps module classes (matched with isinstance) or path patterns (fnmatch against
-      the submodule path, e.g. "Decoder_0/head*") to the policy that submodules they match run
-      under. The first match in this mapping wins; the classes in `FP32_MODULES` run in float32
-      unless a key here matches them first.
+    Args:
+      module: any unbound `flax.linen.Module`.
+      policy: a `jmp.Policy` or any spec `jamp.get_policy` accepts, e.g. "mixed_bfloat16".
+      overrides: maps module classes (matched with isinstance) or path patterns (fnmatch against
+        the submodule path, e.g. "Decoder_0/head*") to the policy that submodules they match run
+        under. The first match in this mapping wins; the classes in `FP32_MODULES` run in float32
+        unless a key here matches them first.
 
-  Returns:
-    A `Wrapped` linen module with `module`'s `init` / `init_with_output` / `apply` signatures.
+    Returns:
+      A `Wrapped` linen module with `module`'s `init` / `init_with_output` / `apply` signatures.
 
-  Example::
+    Example::
 
-    model = jamp.wrap(Transformer(cfg), "mixed_bfloat16", {"*/lm_head": "float32"})
-  """
-  if isinstance(module, Wrapped):
-    raise ValueError("module is already wrapped; wrap the original module once.")
-  if not isinstance(module, nn.Module):
-    raise TypeError(f"wrap() expects a flax.linen.Module, got {type(module).__name__}.")
-  pairs: list[tuple[OverrideKey, Any]] = [
-      (key, get_policy(p)) for key, p in (overrides or {}).items()]
-  fp32 = get_policy("float32")
-  pairs += [(cls, fp32) for cls in FP32_MODULES]
-  return Wrapped(module=module, policy=get_policy(policy), overrides=tuple(pairs))
+      model = jamp.wrap(Transformer(cfg), "mixed_bfloat16", {"*/lm_head": "float32"})
+    """
+    if isinstance(module, Wrapped):
+        raise ValueError("module is already wrapped; wrap the original module once.")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"wrap() expects a flax.linen.Module, got {type(module).__name__}.")
+    pairs: list[tuple[OverrideKey, Any]] = [
+        (key, get_policy(p)) for key, p in (overrides or {}).items()
+    ]
+    fp32 = get_policy("float32")
+    pairs += [(cls, fp32) for cls in FP32_MODULES]
+    return Wrapped(module=module, policy=get_policy(policy), overrides=tuple(pairs))

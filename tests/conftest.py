@@ -2,6 +2,7 @@
 
 The flag must be set before jax is imported anywhere in the test process.
 """
+
 import os
 
 os.environ["XLA_FLAGS"] = (

@@ -1,4 +1,5 @@
 """Tests for jamp.loss_scale: update rules against references; every field through transforms."""
+
 import math
 
 import flax.serialization
@@ -8,17 +9,30 @@ import jmp
 import numpy as np
 import pytest
 
-from jamp.loss_scale import (DynamicLossScale, NoOpLossScale, StaticLossScale, all_finite,
-                             loss_scale_for, select_tree)
+from jamp.loss_scale import (
+    DynamicLossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+    loss_scale_for,
+    select_tree,
+)
 
-CONFIG_FIELDS = ("growth_interval", "growth_factor", "backoff_factor", "hysteresis",
-                 "min_loss_scale", "max_loss_scale")
+CONFIG_FIELDS = (
+    "growth_interval",
+    "growth_factor",
+    "backoff_factor",
+    "hysteresis",
+    "min_loss_scale",
+    "max_loss_scale",
+)
 STATE_FIELDS = ("loss_scale", "counter", "hysteresis_left")
 
 adjust_jit = jax.jit(lambda ls, finite: ls.adjust(finite))
 
 
 # ---------------------------------------------------------------- plain-Python references
+
 
 def grad_scaler_reference(steps, scale, growth_interval, growth_factor=2.0, backoff_factor=0.5):
     """PyTorch GradScaler's documented rule: back off on every overflow and reset the growth
@@ -37,8 +51,16 @@ def grad_scaler_reference(steps, scale, growth_interval, growth_factor=2.0, back
     return history
 
 
-def megatron_reference(steps, scale, growth_interval, hysteresis, growth_factor=2.0,
-                       backoff_factor=0.5, min_scale=1.0, max_scale=math.inf):
+def megatron_reference(
+    steps,
+    scale,
+    growth_interval,
+    hysteresis,
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    min_scale=1.0,
+    max_scale=math.inf,
+):
     """Megatron's DynamicGradScaler rule (hysteresis reset only on growth), plus a max bound."""
     tracker, left, history = 0, hysteresis, []
     for finite in steps:
@@ -75,13 +97,15 @@ def is_power_of_two(x):
 
 # ---------------------------------------------------------------- update rule
 
+
 @pytest.mark.parametrize("growth_interval", [1, 2, 3, 7])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_dynamic_adjust_matches_grad_scaler_reference(seed, growth_interval):
     steps = random_steps(seed)
     ls = wide(growth_interval=growth_interval)
     for step, (finite, (scale, tracker)) in enumerate(
-            zip(steps, grad_scaler_reference(steps, 1.0, growth_interval))):
+        zip(steps, grad_scaler_reference(steps, 1.0, growth_interval))
+    ):
         ls = adjust_jit(ls, jnp.array(finite))
         assert float(ls.loss_scale) == scale, f"step {step}"
         assert int(ls.counter) == tracker, f"step {step}"
@@ -144,10 +168,18 @@ def test_static_and_noop_adjust_return_self():
 
 # ---------------------------------------------------------------- fields through transforms
 
+
 def custom_dynamic():
     """A dynamic scale with every setting off its default and non-trivial state."""
-    ls = DynamicLossScale(2.0**10, growth_interval=3, growth_factor=4.0, backoff_factor=0.25,
-                          hysteresis=3, min_loss_scale=8.0, max_loss_scale=2.0**20)
+    ls = DynamicLossScale(
+        2.0**10,
+        growth_interval=3,
+        growth_factor=4.0,
+        backoff_factor=0.25,
+        hysteresis=3,
+        min_loss_scale=8.0,
+        max_loss_scale=2.0**20,
+    )
     return ls.adjust(jnp.array(False)).adjust(jnp.array(True))  # counter=1, hysteresis_left=2
 
 
@@ -203,16 +235,24 @@ def test_dynamic_fields_survive_pmap():
     out = jax.pmap(lambda s: s.adjust(jnp.array(False)))(replicated)
     expected = ls.adjust(jnp.array(False))
     for i in range(n):
-        assert_same_fields(jax.tree_util.tree_map(lambda x: x[i], out), expected)
+        assert_same_fields(jax.tree_util.tree_map(lambda x: x[i], out), expected)  # noqa: B023
 
 
 def test_dynamic_fields_survive_checkpoint_round_trip():
     ls = custom_dynamic()
     data = flax.serialization.to_bytes({"loss_scale": ls})
     # State comes from the checkpoint; settings come from the target, as for any flax struct.
-    target = {"loss_scale": DynamicLossScale(2.0**10, growth_interval=3, growth_factor=4.0,
-                                             backoff_factor=0.25, hysteresis=3,
-                                             min_loss_scale=8.0, max_loss_scale=2.0**20)}
+    target = {
+        "loss_scale": DynamicLossScale(
+            2.0**10,
+            growth_interval=3,
+            growth_factor=4.0,
+            backoff_factor=0.25,
+            hysteresis=3,
+            min_loss_scale=8.0,
+            max_loss_scale=2.0**20,
+        )
+    }
     restored = flax.serialization.from_bytes(target, data)["loss_scale"]
     assert_same_fields(restored, ls)
     assert set(flax.serialization.to_state_dict(ls)) == set(STATE_FIELDS)
@@ -250,8 +290,9 @@ def test_jmp_dynamic_loss_scale_bug_demonstration():
     jmp_min_after_jit = float(jax.jit(lambda s: s)(jmp_ls).min_loss_scale)
     if jmp_min_after_jit != 4.0:  # jmp 0.0.4: the bug.
         assert jmp_min_after_jit == 1.0
-        jmp_jit_scale = jax.jit(lambda s: s.adjust(jnp.array(False)))(jmp_ls.adjust(
-            jnp.array(False))).loss_scale
+        jmp_jit_scale = jax.jit(lambda s: s.adjust(jnp.array(False)))(
+            jmp_ls.adjust(jnp.array(False))
+        ).loss_scale
         assert float(jmp_jit_scale) == 2.0  # Fell below the requested minimum of 4.
     ours = DynamicLossScale(8.0, min_loss_scale=4.0)
     ours_after = jax.jit(lambda s: s.adjust(jnp.array(False)))(ours.adjust(jnp.array(False)))
@@ -267,8 +308,10 @@ def test_jmp_dynamic_loss_scale_bug_demonstration():
 
 # ---------------------------------------------------------------- dtypes
 
-@pytest.mark.parametrize("initial", [2.0**15, jnp.float16(2.0**15), np.float16(2.0**15),
-                                     jnp.bfloat16(2.0**15), 2**15])
+
+@pytest.mark.parametrize(
+    "initial", [2.0**15, jnp.float16(2.0**15), np.float16(2.0**15), jnp.bfloat16(2.0**15), 2**15]
+)
 def test_dynamic_loss_scale_is_always_fp32(initial):
     ls = DynamicLossScale(initial, growth_interval=1)
     assert ls.loss_scale.dtype == jnp.float32
@@ -294,8 +337,11 @@ def mixed_tree():
     }
 
 
-@pytest.mark.parametrize("ls", [NoOpLossScale(), StaticLossScale(2.0**10),
-                                DynamicLossScale(2.0**10)], ids=["noop", "static", "dynamic"])
+@pytest.mark.parametrize(
+    "ls",
+    [NoOpLossScale(), StaticLossScale(2.0**10), DynamicLossScale(2.0**10)],
+    ids=["noop", "static", "dynamic"],
+)
 def test_scale_unscale_exact_and_dtype_preserving(ls):
     tree = mixed_tree()
     factor = float(ls.loss_scale)
@@ -341,6 +387,7 @@ def test_static_value_change_under_jit_does_not_recompile():
 
 # ---------------------------------------------------------------- helpers and construction
 
+
 def test_all_finite_on_mixed_trees():
     assert bool(all_finite(mixed_tree()))
     assert bool(all_finite({}))
@@ -374,11 +421,17 @@ def test_jmp_style_step_works_unchanged():
         np.testing.assert_allclose(np.asarray(new_w), [0.8, 1.6])
 
 
-@pytest.mark.parametrize("spec, kind", [
-    ("float32", NoOpLossScale), ("mixed_float16", DynamicLossScale),
-    ("mixed_bfloat16", NoOpLossScale), ("c=f16", DynamicLossScale), ("bf16", NoOpLossScale),
-    (jmp.Policy(jnp.float32, jnp.float16, jnp.float32), DynamicLossScale),
-])
+@pytest.mark.parametrize(
+    "spec, kind",
+    [
+        ("float32", NoOpLossScale),
+        ("mixed_float16", DynamicLossScale),
+        ("mixed_bfloat16", NoOpLossScale),
+        ("c=f16", DynamicLossScale),
+        ("bf16", NoOpLossScale),
+        (jmp.Policy(jnp.float32, jnp.float16, jnp.float32), DynamicLossScale),
+    ],
+)
 def test_loss_scale_for_policy(spec, kind):
     ls = loss_scale_for(spec)
     assert type(ls) is kind
@@ -399,24 +452,27 @@ def test_dynamic_defaults():
     assert int(DynamicLossScale(hysteresis=4).hysteresis_left) == 4
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(growth_interval=0), "growth_interval"),
-    (dict(growth_interval=2.5), "growth_interval"),
-    (dict(growth_interval=True), "growth_interval"),
-    (dict(hysteresis=0), "hysteresis"),
-    (dict(hysteresis=1.0), "hysteresis"),
-    (dict(growth_factor=1.0), "growth_factor"),
-    (dict(backoff_factor=1.0), "backoff_factor"),
-    (dict(backoff_factor=0.0), "backoff_factor"),
-    (dict(min_loss_scale=0.0), "min_loss_scale"),
-    (dict(loss_scale=0.5), "min_loss_scale <= loss_scale"),
-    (dict(loss_scale=2.0**25), "loss_scale <= max_loss_scale"),
-    (dict(min_loss_scale=4.0, max_loss_scale=2.0, loss_scale=3.0), "min_loss_scale"),
-    (dict(max_loss_scale=math.inf), "max_loss_scale"),
-    (dict(loss_scale=jnp.float16(65504) * 2), "loss_scale"),  # fp16 2**16 is inf
-    (dict(loss_scale=jnp.ones(2)), "scalar"),
-    (dict(min_loss_scale=jnp.float32(1.0)), "min_loss_scale"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(growth_interval=0), "growth_interval"),
+        (dict(growth_interval=2.5), "growth_interval"),
+        (dict(growth_interval=True), "growth_interval"),
+        (dict(hysteresis=0), "hysteresis"),
+        (dict(hysteresis=1.0), "hysteresis"),
+        (dict(growth_factor=1.0), "growth_factor"),
+        (dict(backoff_factor=1.0), "backoff_factor"),
+        (dict(backoff_factor=0.0), "backoff_factor"),
+        (dict(min_loss_scale=0.0), "min_loss_scale"),
+        (dict(loss_scale=0.5), "min_loss_scale <= loss_scale"),
+        (dict(loss_scale=2.0**25), "loss_scale <= max_loss_scale"),
+        (dict(min_loss_scale=4.0, max_loss_scale=2.0, loss_scale=3.0), "min_loss_scale"),
+        (dict(max_loss_scale=math.inf), "max_loss_scale"),
+        (dict(loss_scale=jnp.float16(65504) * 2), "loss_scale"),  # fp16 2**16 is inf
+        (dict(loss_scale=jnp.ones(2)), "scalar"),
+        (dict(min_loss_scale=jnp.float32(1.0)), "min_loss_scale"),
+    ],
+)
 def test_dynamic_constructor_validates(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DynamicLossScale(**kwargs)

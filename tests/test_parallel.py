@@ -8,8 +8,14 @@ import optax
 import pytest
 
 from jamp.loss_scale import DynamicLossScale
-from jamp.parallel import (local_device_count, make_p_eval_step, make_p_train_step, replicate,
-                           shard, unreplicate)
+from jamp.parallel import (
+    local_device_count,
+    make_p_eval_step,
+    make_p_train_step,
+    replicate,
+    shard,
+    unreplicate,
+)
 from jamp.state import TrainState
 from jamp.step import make_eval_step, make_train_step
 
@@ -46,6 +52,7 @@ def make_loss_fn(model):
             out, new_model_state = model.apply(variables, batch["x"]), {}
         loss = jnp.mean((out[:, 0] - batch["y"]) ** 2)
         return loss, (new_model_state, {"mse": loss})
+
     return loss_fn
 
 
@@ -71,7 +78,7 @@ def test_local_device_count():
 
 
 def test_replicate_unreplicate_round_trip():
-    scale = DynamicLossScale(loss_scale=2.0 ** 12, growth_interval=7, min_loss_scale=4.0)
+    scale = DynamicLossScale(loss_scale=2.0**12, growth_interval=7, min_loss_scale=4.0)
     state = make_state(BNNet(), optax.adam(1e-3), scale)
     replicated = replicate(state)
     for x, y in zip(jax.tree.leaves(replicated), jax.tree.leaves(state)):
@@ -114,7 +121,7 @@ def test_make_p_train_step_rejects_a_step_built_for_another_axis():
 
 def test_pmapped_steps_match_single_device_steps():
     model, tx = MLP(), optax.adam(1e-2)
-    scale = DynamicLossScale(loss_scale=2.0 ** 10, growth_interval=2)
+    scale = DynamicLossScale(loss_scale=2.0**10, growth_interval=2)
     batches = [make_batch(key=k) for k in range(5)]
 
     single = make_state(model, tx, scale)
@@ -131,14 +138,14 @@ def test_pmapped_steps_match_single_device_steps():
     parallel = unreplicate(replicated)
     for x, y in zip(jax.tree.leaves(parallel.params), jax.tree.leaves(single.params)):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
-    assert float(parallel.loss_scale.loss_scale) == float(single.loss_scale.loss_scale) == 2.0 ** 12
+    assert float(parallel.loss_scale.loss_scale) == float(single.loss_scale.loss_scale) == 2.0**12
     assert int(parallel.step) == 5 and int(parallel.skipped_steps) == 0
 
 
 def test_inf_on_one_device_skips_the_step_on_every_device():
     model, tx = BNNet(), optax.adam(1e-2)
     p_step = make_p_train_step(make_train_step(make_loss_fn(model), tx, axis_name="batch"))
-    state = replicate(make_state(model, tx, DynamicLossScale(loss_scale=2.0 ** 10)))
+    state = replicate(make_state(model, tx, DynamicLossScale(loss_scale=2.0**10)))
     state, _ = p_step(state, shard(make_batch()), KEY)
     assert_replicas_equal(state)  # batch statistics were averaged, not left per device
     before = jax.tree.map(np.array, state)  # host copies: the step donates its input buffers
@@ -149,19 +156,19 @@ def test_inf_on_one_device_skips_the_step_on_every_device():
 
     assert not np.asarray(metrics["grads_finite"]).any()
     for name in ("params", "opt_state", "model_state"):
-        for x, y in zip(jax.tree.leaves(getattr(state, name)),
-                        jax.tree.leaves(getattr(before, name))):
+        for x, y in zip(
+            jax.tree.leaves(getattr(state, name)), jax.tree.leaves(getattr(before, name))
+        ):
             np.testing.assert_array_equal(x, y)
     np.testing.assert_array_equal(state.skipped_steps, np.ones(NUM_DEVICES))
-    np.testing.assert_array_equal(state.loss_scale.loss_scale, np.full(NUM_DEVICES, 2.0 ** 9))
+    np.testing.assert_array_equal(state.loss_scale.loss_scale, np.full(NUM_DEVICES, 2.0**9))
     np.testing.assert_array_equal(state.step, np.full(NUM_DEVICES, 2))
 
 
 def test_p_train_step_compiles_once():
     model, tx = BNNet(), optax.adam(1e-3)
     p_step = make_p_train_step(make_train_step(make_loss_fn(model), tx, axis_name="batch"))
-    state = replicate(make_state(model, tx, DynamicLossScale(loss_scale=2.0 ** 8,
-                                                             growth_interval=1)))
+    state = replicate(make_state(model, tx, DynamicLossScale(loss_scale=2.0**8, growth_interval=1)))
     good = jax.tree.map(np.asarray, make_batch())
     bad = {**good, "x": good["x"].copy()}
     bad["x"][3, 0] = np.inf

@@ -1,4 +1,5 @@
 """Tests for jamp.precision: jmp's grammar, presets, passthrough and error messages."""
+
 import jax.numpy as jnp
 import jmp
 import pytest
@@ -10,29 +11,33 @@ HALF = jnp.dtype(jmp.half_dtype())
 
 
 def _dtypes(policy):
-    return tuple(jnp.dtype(d) for d in (policy.param_dtype, policy.compute_dtype,
-                                         policy.output_dtype))
+    return tuple(
+        jnp.dtype(d) for d in (policy.param_dtype, policy.compute_dtype, policy.output_dtype)
+    )
 
 
-@pytest.mark.parametrize("spec, expected", [
-    ("params=float32,compute=bfloat16,output=float32", (F32, BF16, F32)),
-    ("p=f32,c=f16", (F32, F16, F16)),  # jmp: output follows compute when o= is omitted.
-    ("c=bf16", (F32, BF16, BF16)),
-    ("p=f16", (F16, F16, F16)),  # compute follows params.
-    ("o=f16", (F32, F32, F16)),
-    ("p=full,c=half,o=full", (F32, HALF, F32)),
-    ("compute=bf16,params=f32,output=f32", (F32, BF16, F32)),
-    (" p = f32 , c = bf16 ", (F32, BF16, BF16)),
-    ("bfloat16", (BF16, BF16, BF16)),
-    ("bf16", (BF16, BF16, BF16)),
-    ("float16", (F16, F16, F16)),
-    ("half", (HALF, HALF, HALF)),
-    ("f32", (F32, F32, F32)),
-    ("full", (F32, F32, F32)),
-    ("float32", (F32, F32, F32)),
-    ("mixed_float16", (F32, F16, F32)),
-    ("mixed_bfloat16", (F32, BF16, F32)),
-])
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("params=float32,compute=bfloat16,output=float32", (F32, BF16, F32)),
+        ("p=f32,c=f16", (F32, F16, F16)),  # jmp: output follows compute when o= is omitted.
+        ("c=bf16", (F32, BF16, BF16)),
+        ("p=f16", (F16, F16, F16)),  # compute follows params.
+        ("o=f16", (F32, F32, F16)),
+        ("p=full,c=half,o=full", (F32, HALF, F32)),
+        ("compute=bf16,params=f32,output=f32", (F32, BF16, F32)),
+        (" p = f32 , c = bf16 ", (F32, BF16, BF16)),
+        ("bfloat16", (BF16, BF16, BF16)),
+        ("bf16", (BF16, BF16, BF16)),
+        ("float16", (F16, F16, F16)),
+        ("half", (HALF, HALF, HALF)),
+        ("f32", (F32, F32, F32)),
+        ("full", (F32, F32, F32)),
+        ("float32", (F32, F32, F32)),
+        ("mixed_float16", (F32, F16, F32)),
+        ("mixed_bfloat16", (F32, BF16, F32)),
+    ],
+)
 def test_get_policy_accepts_grammar_and_presets(spec, expected):
     policy = get_policy(spec)
     assert isinstance(policy, jmp.Policy)
@@ -60,34 +65,47 @@ def test_get_policy_passes_policy_through():
     assert get_policy(policy) is policy
 
 
-@pytest.mark.parametrize("spec, bad_token", [
-    ("", "''"),
-    ("   ", "empty"),
-    ("x=f32", "'x'"),
-    ("param=f32", "'param'"),
-    ("p=f64", "'f64'"),
-    ("float64", "'float64'"),
-    ("c=int8", "'int8'"),
-    ("f", "'f'"),  # jmp's own error message suggests 'f' for 'full', but jmp refuses it.
-    ("BF16", "'BF16'"),
-    ("mixed_float8", "'mixed_float8'"),
-    ("p=f32=f16", "'f32=f16'"),
-    ("p=f32,", "''"),
-    ("p=f32,c", "'c'"),
-    ("p=f32,p=f16", "'p'"),
-    ("p=f32,params=f16", "params given twice"),
-    ("c=", "''"),
-    (5, "int"),
-    (None, "NoneType"),
-    (jnp.float32, "type"),
-])
+@pytest.mark.parametrize(
+    "spec, bad_token",
+    [
+        ("", "''"),
+        ("   ", "empty"),
+        ("x=f32", "'x'"),
+        ("param=f32", "'param'"),
+        ("p=f64", "'f64'"),
+        ("float64", "'float64'"),
+        ("c=int8", "'int8'"),
+        ("f", "'f'"),  # jmp's own error message suggests 'f' for 'full', but jmp refuses it.
+        ("BF16", "'BF16'"),
+        ("mixed_float8", "'mixed_float8'"),
+        ("p=f32=f16", "'f32=f16'"),
+        ("p=f32,", "''"),
+        ("p=f32,c", "'c'"),
+        ("p=f32,p=f16", "'p'"),
+        ("p=f32,params=f16", "params given twice"),
+        ("c=", "''"),
+        (5, "int"),
+        (None, "NoneType"),
+        (jnp.float32, "type"),
+    ],
+)
 def test_get_policy_rejects_bad_input_with_one_clear_error(spec, bad_token):
     with pytest.raises(ValueError) as info:
         get_policy(spec)
     message = str(info.value)
     assert bad_token in message
-    for accepted in ("mixed_float16", "mixed_bfloat16", "p/params", "c/compute", "o/output",
-                     "bfloat16", "bf16", "f16", "half", "f32"):
+    for accepted in (
+        "mixed_float16",
+        "mixed_bfloat16",
+        "p/params",
+        "c/compute",
+        "o/output",
+        "bfloat16",
+        "bf16",
+        "f16",
+        "half",
+        "f32",
+    ):
         assert accepted in message
 
 

@@ -29,8 +29,9 @@ def _variables():
 
 def _state(loss_scale=None):
     params, model_state = _variables()
-    return TrainState.create(params, optax.adam(1e-3), model_state=model_state,
-                             loss_scale=loss_scale)
+    return TrainState.create(
+        params, optax.adam(1e-3), model_state=model_state, loss_scale=loss_scale
+    )
 
 
 def _assert_trees_equal(a, b):
@@ -63,7 +64,7 @@ def test_create_counters_are_strong_int32_arrays():
 
 def test_create_keeps_model_state_and_loss_scale():
     params, model_state = _variables()
-    scale = StaticLossScale(2.0 ** 8)
+    scale = StaticLossScale(2.0**8)
     state = TrainState.create(params, optax.sgd(0.1), model_state=model_state, loss_scale=scale)
     assert state.model_state is model_state
     assert state.loss_scale is scale
@@ -76,12 +77,17 @@ def test_state_holds_no_functions():
     assert not any(callable(leaf) for leaf in jax.tree.leaves(state))
 
 
-@pytest.mark.parametrize("loss_scale", [
-    NoOpLossScale(),
-    StaticLossScale(2.0 ** 10),
-    DynamicLossScale(loss_scale=2.0 ** 12, growth_interval=7, min_loss_scale=4.0,
-                     max_loss_scale=2.0 ** 20),
-], ids=["noop", "static", "dynamic"])
+@pytest.mark.parametrize(
+    "loss_scale",
+    [
+        NoOpLossScale(),
+        StaticLossScale(2.0**10),
+        DynamicLossScale(
+            loss_scale=2.0**12, growth_interval=7, min_loss_scale=4.0, max_loss_scale=2.0**20
+        ),
+    ],
+    ids=["noop", "static", "dynamic"],
+)
 def test_tree_flatten_unflatten_round_trip(loss_scale):
     state = _state(loss_scale)
     leaves, treedef = jax.tree.flatten(state)
@@ -91,7 +97,7 @@ def test_tree_flatten_unflatten_round_trip(loss_scale):
 
 
 def test_jit_round_trip_keeps_every_field():
-    scale = DynamicLossScale(loss_scale=2.0 ** 12, growth_interval=7, min_loss_scale=4.0)
+    scale = DynamicLossScale(loss_scale=2.0**12, growth_interval=7, min_loss_scale=4.0)
     state = _state(scale)
     restored = jax.jit(lambda s: s)(state)
     _assert_trees_equal(restored, state)
@@ -101,11 +107,10 @@ def test_jit_round_trip_keeps_every_field():
 
 
 def test_serialization_round_trip():
-    scale = DynamicLossScale(loss_scale=2.0 ** 12, growth_interval=7, min_loss_scale=4.0)
+    scale = DynamicLossScale(loss_scale=2.0**12, growth_interval=7, min_loss_scale=4.0)
     state = _state(scale)
     # Stand in for a checkpoint: bytes out, restored into a fresh target of the same shape.
-    changed = state.replace(step=jnp.asarray(5, jnp.int32),
-                            skipped_steps=jnp.asarray(2, jnp.int32))
+    changed = state.replace(step=jnp.asarray(5, jnp.int32), skipped_steps=jnp.asarray(2, jnp.int32))
     target = _state(scale)
     restored = serialization.from_bytes(target, serialization.to_bytes(changed))
     assert int(restored.step) == 5 and int(restored.skipped_steps) == 2

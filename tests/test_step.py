@@ -41,6 +41,7 @@ def make_loss_fn(model):
             out, new_model_state = model.apply(variables, batch["x"]), {}
         loss = jnp.mean((out[:, 0] - batch["y"]) ** 2)
         return loss, (new_model_state, {"mse": loss})
+
     return loss_fn
 
 
@@ -85,8 +86,12 @@ def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
 
 def test_train_step_reduces_loss():
     batch = make_batch()
-    _, history = run(BNNet(), optax.adam(1e-2), [batch] * 40,
-                     loss_scale=DynamicLossScale(loss_scale=2.0 ** 10, growth_interval=5))
+    _, history = run(
+        BNNet(),
+        optax.adam(1e-2),
+        [batch] * 40,
+        loss_scale=DynamicLossScale(loss_scale=2.0**10, growth_interval=5),
+    )
     assert float(history[-1]["loss"]) < 0.2 * float(history[0]["loss"])
     assert all(bool(m["grads_finite"]) for m in history)
 
@@ -94,27 +99,32 @@ def test_train_step_reduces_loss():
 def test_train_step_nonfinite_leaves_state_bit_identical():
     model, tx = BNNet(), optax.adam(1e-2)
     step = jax.jit(make_train_step(make_loss_fn(model), tx))
-    state = make_state(model, tx, DynamicLossScale(loss_scale=2.0 ** 10))
+    state = make_state(model, tx, DynamicLossScale(loss_scale=2.0**10))
     for _ in range(2):  # non-trivial optimizer moments and batch statistics first
         state, _ = step(state, make_batch(), KEY)
     new, metrics = step(state, poison(make_batch()), KEY)
     assert_trees_equal(new.params, state.params)
     assert_trees_equal(new.opt_state, state.opt_state)
     assert_trees_equal(new.model_state, state.model_state)
-    assert float(new.loss_scale.loss_scale) == 2.0 ** 9
+    assert float(new.loss_scale.loss_scale) == 2.0**9
     assert int(new.skipped_steps) == 1 and int(new.step) == 3
     assert not bool(metrics["grads_finite"])
-    assert int(metrics["skipped_steps"]) == 1 and float(metrics["loss_scale"]) == 2.0 ** 9
+    assert int(metrics["skipped_steps"]) == 1 and float(metrics["loss_scale"]) == 2.0**9
 
 
 def test_train_step_finite_changes_state():
     model, tx = BNNet(), optax.adam(1e-2)
-    state = make_state(model, tx, DynamicLossScale(loss_scale=2.0 ** 10))
+    state = make_state(model, tx, DynamicLossScale(loss_scale=2.0**10))
     new, metrics = jax.jit(make_train_step(make_loss_fn(model), tx))(state, make_batch(), KEY)
-    for old_tree, new_tree in [(state.params, new.params), (state.model_state, new.model_state),
-                               (state.opt_state, new.opt_state)]:
-        changed = [not np.array_equal(x, y)
-                   for x, y in zip(jax.tree.leaves(old_tree), jax.tree.leaves(new_tree))]
+    for old_tree, new_tree in [
+        (state.params, new.params),
+        (state.model_state, new.model_state),
+        (state.opt_state, new.opt_state),
+    ]:
+        changed = [
+            not np.array_equal(x, y)
+            for x, y in zip(jax.tree.leaves(old_tree), jax.tree.leaves(new_tree))
+        ]
         assert any(changed)
     assert bool(metrics["grads_finite"])
     assert int(new.step) == 1 and int(new.skipped_steps) == 0
@@ -124,19 +134,22 @@ def test_train_step_unscales_grads():
     batches = [make_batch(key=k) for k in range(3)]
     ref, ref_history = run(MLP(), optax.sgd(0.05), batches, loss_scale=NoOpLossScale())
     # growth_interval=1 grows the scale every step: unscaling by the adjusted scale would show.
-    for scale in (StaticLossScale(2.0 ** 10), DynamicLossScale(loss_scale=2.0 ** 10,
-                                                               growth_interval=1)):
+    for scale in (
+        StaticLossScale(2.0**10),
+        DynamicLossScale(loss_scale=2.0**10, growth_interval=1),
+    ):
         got, history = run(MLP(), optax.sgd(0.05), batches, loss_scale=scale)
         assert_trees_close(got.params, ref.params, rtol=1e-6, atol=0)
         # The reported loss and norm are in true units, not scaled ones.
         np.testing.assert_allclose(history[-1]["loss"], ref_history[-1]["loss"], rtol=1e-6)
-        np.testing.assert_allclose(history[-1]["grad_norm"], ref_history[-1]["grad_norm"],
-                                   rtol=1e-6)
+        np.testing.assert_allclose(
+            history[-1]["grad_norm"], ref_history[-1]["grad_norm"], rtol=1e-6
+        )
 
 
 def test_train_step_clips_unscaled_grads():
     model, batch = MLP(), make_batch()
-    state = make_state(model, optax.sgd(1.0), StaticLossScale(2.0 ** 10))
+    state = make_state(model, optax.sgd(1.0), StaticLossScale(2.0**10))
     loss_fn = make_loss_fn(model)
     grads = jax.grad(lambda p: loss_fn(p, {}, batch, KEY)[0])(state.params)
     norm = float(optax.tree.norm(grads))
@@ -149,10 +162,17 @@ def test_train_step_clips_unscaled_grads():
 
 
 def test_train_step_metrics():
-    _, (metrics,) = run(MLP(), optax.sgd(0.1), [make_batch()],
-                        loss_scale=DynamicLossScale(loss_scale=2.0 ** 10))
-    assert set(metrics) == {"loss", "mse", "grad_norm", "loss_scale", "grads_finite",
-                            "skipped_steps"}
+    _, (metrics,) = run(
+        MLP(), optax.sgd(0.1), [make_batch()], loss_scale=DynamicLossScale(loss_scale=2.0**10)
+    )
+    assert set(metrics) == {
+        "loss",
+        "mse",
+        "grad_norm",
+        "loss_scale",
+        "grads_finite",
+        "skipped_steps",
+    }
     for name in ("loss", "mse", "grad_norm", "loss_scale"):
         assert metrics[name].dtype == jnp.float32
     np.testing.assert_allclose(metrics["mse"], metrics["loss"])
@@ -182,14 +202,18 @@ def test_train_step_folds_step_into_rng():
 
 
 def test_dynamic_loss_scale_grows_and_is_reported_after_adjusting():
-    _, history = run(MLP(), optax.sgd(0.01), [make_batch()] * 4,
-                     loss_scale=DynamicLossScale(loss_scale=2.0 ** 4, growth_interval=2))
-    assert [float(m["loss_scale"]) for m in history] == [2.0 ** 4, 2.0 ** 5, 2.0 ** 5, 2.0 ** 6]
+    _, history = run(
+        MLP(),
+        optax.sgd(0.01),
+        [make_batch()] * 4,
+        loss_scale=DynamicLossScale(loss_scale=2.0**4, growth_interval=2),
+    )
+    assert [float(m["loss_scale"]) for m in history] == [2.0**4, 2.0**5, 2.0**5, 2.0**6]
 
 
 def test_accumulation_matches_one_step_on_the_whole_batch():
     batches = [make_batch(key=k) for k in range(3)]
-    kwargs = dict(loss_scale=DynamicLossScale(loss_scale=2.0 ** 10, growth_interval=2))
+    kwargs = dict(loss_scale=DynamicLossScale(loss_scale=2.0**10, growth_interval=2))
     whole, whole_history = run(MLP(), optax.adam(1e-2), batches, **kwargs)
     micro, micro_history = run(MLP(), optax.adam(1e-2), batches, accumulation_steps=4, **kwargs)
     assert_trees_close(micro.params, whole.params)
@@ -205,17 +229,19 @@ def test_accumulation_threads_model_state_through_microbatches():
     state = make_state(model, tx)
     batch = make_batch(8)
     new, _ = jax.jit(make_train_step(make_loss_fn(model), tx, accumulation_steps=2))(
-        state, batch, KEY)
+        state, batch, KEY
+    )
     expected, loss_fn = state.model_state, make_loss_fn(model)
     for half in (slice(0, 4), slice(4, 8)):  # microbatches run in order, each updating the stats
-        _, (expected, _) = loss_fn(state.params, expected, jax.tree.map(lambda x: x[half], batch),
-                                   KEY)
+        _, (expected, _) = loss_fn(
+            state.params, expected, jax.tree.map(lambda x: x[half], batch), KEY  # noqa: B023
+        )
     assert_trees_close(new.model_state, expected)
 
 
 def test_accumulation_one_bad_microbatch_skips_the_step():
     model, tx = BNNet(), optax.adam(1e-2)
-    state = make_state(model, tx, DynamicLossScale(loss_scale=2.0 ** 10))
+    state = make_state(model, tx, DynamicLossScale(loss_scale=2.0**10))
     step = jax.jit(make_train_step(make_loss_fn(model), tx, accumulation_steps=4))
     new, metrics = step(state, poison(make_batch(), row=9), KEY)  # third microbatch only
     assert not bool(metrics["grads_finite"])
@@ -232,18 +258,23 @@ def test_accumulation_rejects_an_indivisible_batch():
         step(make_state(model, tx), make_batch(10), KEY)
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(accumulation_steps=0), dict(accumulation_steps=1.5), dict(max_grad_norm=0.0)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(accumulation_steps=0), dict(accumulation_steps=1.5), dict(max_grad_norm=0.0)]
+)
 def test_make_train_step_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         make_train_step(make_loss_fn(MLP()), optax.sgd(0.1), **kwargs)
 
 
-@pytest.mark.parametrize("loss_scale, kwargs", [
-    (NoOpLossScale(), {}),
-    (StaticLossScale(2.0 ** 8), dict(max_grad_norm=1.0)),
-    (DynamicLossScale(loss_scale=2.0 ** 8, growth_interval=1), dict(accumulation_steps=2)),
-], ids=["noop", "static-clip", "dynamic-accumulate"])
+@pytest.mark.parametrize(
+    "loss_scale, kwargs",
+    [
+        (NoOpLossScale(), {}),
+        (StaticLossScale(2.0**8), dict(max_grad_norm=1.0)),
+        (DynamicLossScale(loss_scale=2.0**8, growth_interval=1), dict(accumulation_steps=2)),
+    ],
+    ids=["noop", "static-clip", "dynamic-accumulate"],
+)
 def test_jitted_train_step_compiles_once(loss_scale, kwargs):
     model, tx = BNNet(), optax.adam(1e-3)
     state = make_state(model, tx, loss_scale)
@@ -276,6 +307,7 @@ def test_eval_step():
         return {"mse": jnp.mean((out[:, 0] - batch["y"]) ** 2), "count": batch["x"].shape[0]}
 
     metrics = jax.jit(make_eval_step(eval_fn))(state, batch)
-    np.testing.assert_allclose(metrics["mse"], eval_fn(state.params, state.model_state, batch)["mse"],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        metrics["mse"], eval_fn(state.params, state.model_state, batch)["mse"], rtol=1e-6
+    )
     assert metrics["count"].dtype == jnp.float32 and float(metrics["count"]) == 16.0

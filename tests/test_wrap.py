@@ -18,265 +18,304 @@ MATMULS = ("dot_general", "conv_general_dilated")
 
 
 class HardCodedF32(nn.Module):
-  """Layers that pin dtype=float32 explicitly, as many published Flax models do."""
+    """Layers that pin dtype=float32 explicitly, as many published Flax models do."""
 
-  @nn.compact
-  def __call__(self, x, train=False):
-    x = nn.Dense(16, dtype=jnp.float32, param_dtype=jnp.float32)(x)
-    x = nn.LayerNorm(dtype=jnp.float32)(x)
-    x = nn.Conv(4, (1,), dtype=jnp.float32)(x[..., None])
-    return nn.Dense(3, dtype=jnp.float32)(x.reshape(x.shape[0], -1))
+    @nn.compact
+    def __call__(self, x, train=False):
+        x = nn.Dense(16, dtype=jnp.float32, param_dtype=jnp.float32)(x)
+        x = nn.LayerNorm(dtype=jnp.float32)(x)
+        x = nn.Conv(4, (1,), dtype=jnp.float32)(x[..., None])
+        return nn.Dense(3, dtype=jnp.float32)(x.reshape(x.shape[0], -1))
 
 
 class RawParam(nn.Module):
-  """Reads a parameter and multiplies by it directly."""
+    """Reads a parameter and multiplies by it directly."""
 
-  @nn.compact
-  def __call__(self, x):
-    w = self.param("w", nn.initializers.lecun_normal(), (x.shape[-1], x.shape[-1]))
-    return jnp.tanh(x @ w)
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.lecun_normal(), (x.shape[-1], x.shape[-1]))
+        return jnp.tanh(x @ w)
 
 
 class Shared(nn.Module):
-  """One Dense applied twice, plus a nested module and a second method."""
+    """One Dense applied twice, plus a nested module and a second method."""
 
-  def setup(self):
-    self.proj = nn.Dense(5)
-    self.inner = RawParam()
+    def setup(self):
+        self.proj = nn.Dense(5)
+        self.inner = RawParam()
 
-  def __call__(self, x):
-    return self.proj(self.inner(self.proj(x)))
+    def __call__(self, x):
+        return self.proj(self.inner(self.proj(x)))
 
-  def encode(self, x):
-    return self.proj(x)
+    def encode(self, x):
+        return self.proj(x)
 
 
 def _models():
-  k = jax.random.key(1)
-  images = jax.random.normal(k, (2, 8, 8, 3))
-  tokens = jax.random.randint(k, (2, 12), 0, 50)
-  feats = jax.random.normal(k, (2, 5))
-  return {
-      "seed_cnn": (SeedCNN(num_classes=4), images, {"train": True}),
-      "resnet": (resnet20(num_classes=4, num_filters=4), images,
-                 {"train": True, "mutable": ["batch_stats"]}),
-      "transformer": (TransformerLM(vocab_size=50, num_layers=2, d_model=16, num_heads=2,
-                                    mlp_dim=32, max_len=16), tokens, {"train": True}),
-      "hard_coded_f32": (HardCodedF32(), feats, {"train": True}),
-      "raw_param": (RawParam(), feats, {}),
-      "shared": (Shared(), feats, {}),
-  }
+    k = jax.random.key(1)
+    images = jax.random.normal(k, (2, 8, 8, 3))
+    tokens = jax.random.randint(k, (2, 12), 0, 50)
+    feats = jax.random.normal(k, (2, 5))
+    return {
+        "seed_cnn": (SeedCNN(num_classes=4), images, {"train": True}),
+        "resnet": (
+            resnet20(num_classes=4, num_filters=4),
+            images,
+            {"train": True, "mutable": ["batch_stats"]},
+        ),
+        "transformer": (
+            TransformerLM(
+                vocab_size=50, num_layers=2, d_model=16, num_heads=2, mlp_dim=32, max_len=16
+            ),
+            tokens,
+            {"train": True},
+        ),
+        "hard_coded_f32": (HardCodedF32(), feats, {"train": True}),
+        "raw_param": (RawParam(), feats, {}),
+        "shared": (Shared(), feats, {}),
+    }
 
 
 MODELS = _models()
 
 
 def _matmul_operand_dtypes(jaxpr):
-  """(primitive, operand dtypes) of every matmul and convolution, in sub-programs too."""
-  found = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name in MATMULS:
-      found.append((eqn.primitive.name, tuple(np.dtype(v.aval.dtype) for v in eqn.invars)))
-    for sub in jcore.jaxprs_in_params(eqn.params):
-      found += _matmul_operand_dtypes(sub)
-  return found
+    """(primitive, operand dtypes) of every matmul and convolution, in sub-programs too."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in MATMULS:
+            found.append((eqn.primitive.name, tuple(np.dtype(v.aval.dtype) for v in eqn.invars)))
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            found += _matmul_operand_dtypes(sub)
+    return found
 
 
 def _loss_and_grad_jaxpr(model, variables, x, kwargs):
-  def loss(params):
-    out = model.apply({**variables, "params": params}, x, **kwargs)
-    out = out[0] if kwargs.get("mutable") else out
-    return jnp.sum(out.astype(jnp.float32) ** 2)
+    def loss(params):
+        out = model.apply({**variables, "params": params}, x, **kwargs)
+        out = out[0] if kwargs.get("mutable") else out
+        return jnp.sum(out.astype(jnp.float32) ** 2)
 
-  return jax.make_jaxpr(jax.value_and_grad(loss))(variables["params"]).jaxpr
+    return jax.make_jaxpr(jax.value_and_grad(loss))(variables["params"]).jaxpr
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("compute", [BF16, F16])
 def test_wrap_every_matmul_takes_compute_dtype_operands_forward_and_backward(name, compute):
-  module, x, kwargs = MODELS[name]
-  model = wrap(module, f"p=f32,c={compute.name},o=f32")
-  variables = module.init(jax.random.key(0), x)
-  found = _matmul_operand_dtypes(_loss_and_grad_jaxpr(model, variables, x, kwargs))
-  assert found, "the model has matmuls"
-  wrong = [f for f in found if f[1] != (compute, compute)]
-  assert not wrong, wrong
+    module, x, kwargs = MODELS[name]
+    model = wrap(module, f"p=f32,c={compute.name},o=f32")
+    variables = module.init(jax.random.key(0), x)
+    found = _matmul_operand_dtypes(_loss_and_grad_jaxpr(model, variables, x, kwargs))
+    assert found, "the model has matmuls"
+    wrong = [f for f in found if f[1] != (compute, compute)]
+    assert not wrong, wrong
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_wrap_unwrapped_hard_coded_models_really_compute_in_fp32(name):
-  # The control for the test above: without wrap these models' matmuls are float32.
-  module, x, kwargs = MODELS[name]
-  variables = module.init(jax.random.key(0), x)
-  found = _matmul_operand_dtypes(_loss_and_grad_jaxpr(module, variables, x, kwargs))
-  assert all(dtypes == (F32, F32) for _, dtypes in found)
+    # The control for the test above: without wrap these models' matmuls are float32.
+    module, x, kwargs = MODELS[name]
+    variables = module.init(jax.random.key(0), x)
+    found = _matmul_operand_dtypes(_loss_and_grad_jaxpr(module, variables, x, kwargs))
+    assert all(dtypes == (F32, F32) for _, dtypes in found)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_wrap_creates_same_variables_in_param_dtype(name):
-  module, x, _ = MODELS[name]
-  ref = module.init(jax.random.key(0), x)
-  got = wrap(module, "mixed_bfloat16").init(jax.random.key(0), x)
-  assert jax.tree.structure(ref) == jax.tree.structure(got)
-  jax.tree.map(np.testing.assert_array_equal, ref, got)
-  got16 = wrap(module, "p=bf16,c=bf16,o=f32").init(jax.random.key(0), x)
-  assert {a.dtype for a in jax.tree.leaves(got16["params"])} == {BF16}
-  jax.tree.map(lambda r, g: np.testing.assert_array_equal(r.astype(BF16), g), ref["params"],
-               got16["params"])
+    module, x, _ = MODELS[name]
+    ref = module.init(jax.random.key(0), x)
+    got = wrap(module, "mixed_bfloat16").init(jax.random.key(0), x)
+    assert jax.tree.structure(ref) == jax.tree.structure(got)
+    jax.tree.map(np.testing.assert_array_equal, ref, got)
+    got16 = wrap(module, "p=bf16,c=bf16,o=f32").init(jax.random.key(0), x)
+    assert {a.dtype for a in jax.tree.leaves(got16["params"])} == {BF16}
+    jax.tree.map(
+        lambda r, g: np.testing.assert_array_equal(r.astype(BF16), g),
+        ref["params"],
+        got16["params"],
+    )
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_wrap_outputs_in_output_dtype_and_grads_in_param_dtype(name):
-  module, x, kwargs = MODELS[name]
-  variables = module.init(jax.random.key(0), x)
-  model = wrap(module, "p=f32,c=bf16,o=f32")
+    module, x, kwargs = MODELS[name]
+    variables = module.init(jax.random.key(0), x)
+    model = wrap(module, "p=f32,c=bf16,o=f32")
 
-  def loss(params):
-    out = model.apply({**variables, "params": params}, x, **kwargs)
-    out = out[0] if kwargs.get("mutable") else out
-    assert out.dtype == F32
-    return jnp.mean(out**2)
+    def loss(params):
+        out = model.apply({**variables, "params": params}, x, **kwargs)
+        out = out[0] if kwargs.get("mutable") else out
+        assert out.dtype == F32
+        return jnp.mean(out**2)
 
-  value, grads = jax.jit(jax.value_and_grad(loss))(variables["params"])
-  assert np.isfinite(value)
-  assert {g.dtype for g in jax.tree.leaves(grads)} == {F32}
-  assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
-  out16 = wrap(module, "p=f32,c=bf16,o=bf16").apply(variables, x, **kwargs)
-  out16 = out16[0] if kwargs.get("mutable") else out16
-  assert out16.dtype == BF16
+    value, grads = jax.jit(jax.value_and_grad(loss))(variables["params"])
+    assert np.isfinite(value)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {F32}
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+    out16 = wrap(module, "p=f32,c=bf16,o=bf16").apply(variables, x, **kwargs)
+    out16 = out16[0] if kwargs.get("mutable") else out16
+    assert out16.dtype == BF16
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_wrap_fp32_policy_is_bit_identical(name):
-  module, x, kwargs = MODELS[name]
-  variables = module.init(jax.random.key(0), x)
-  model = wrap(module, "float32")
+    module, x, kwargs = MODELS[name]
+    variables = module.init(jax.random.key(0), x)
+    model = wrap(module, "float32")
 
-  def loss(m, params):
-    out = m.apply({**variables, "params": params}, x, **kwargs)
-    out = out[0] if kwargs.get("mutable") else out
-    return jnp.sum(jnp.sin(out)), out
+    def loss(m, params):
+        out = m.apply({**variables, "params": params}, x, **kwargs)
+        out = out[0] if kwargs.get("mutable") else out
+        return jnp.sum(jnp.sin(out)), out
 
-  for fn in (lambda f: f, jax.jit):
-    (ref_loss, ref_out), ref_g = fn(jax.value_and_grad(lambda p: loss(module, p), has_aux=True))(
-        variables["params"])
-    (got_loss, got_out), got_g = fn(jax.value_and_grad(lambda p: loss(model, p), has_aux=True))(
-        variables["params"])
-    np.testing.assert_array_equal(ref_out, got_out)
-    np.testing.assert_array_equal(ref_loss, got_loss)
-    jax.tree.map(np.testing.assert_array_equal, ref_g, got_g)
+    for fn in (lambda f: f, jax.jit):
+        (ref_loss, ref_out), ref_g = fn(
+            jax.value_and_grad(lambda p: loss(module, p), has_aux=True)
+        )(variables["params"])
+        (got_loss, got_out), got_g = fn(jax.value_and_grad(lambda p: loss(model, p), has_aux=True))(
+            variables["params"]
+        )
+        np.testing.assert_array_equal(ref_out, got_out)
+        np.testing.assert_array_equal(ref_loss, got_loss)
+        jax.tree.map(np.testing.assert_array_equal, ref_g, got_g)
 
 
 def test_wrap_mixed_grads_close_to_fp32_grads():
-  module, x, _ = MODELS["transformer"]
-  variables = module.init(jax.random.key(0), x)
+    module, x, _ = MODELS["transformer"]
+    variables = module.init(jax.random.key(0), x)
 
-  def grads(m):
-    return jax.grad(lambda p: jnp.mean(m.apply({"params": p}, x) ** 2))(variables["params"])
+    def grads(m):
+        return jax.grad(lambda p: jnp.mean(m.apply({"params": p}, x) ** 2))(variables["params"])
 
-  ref, got = grads(module), grads(wrap(module, "mixed_bfloat16"))
-  ref_flat, got_flat = (jnp.concatenate([g.ravel() for g in jax.tree.leaves(t)]) for t in (ref, got))
-  # bf16 operands carry 8 significant bits; fp32 accumulation keeps the sums close.
-  assert float(jnp.linalg.norm(got_flat - ref_flat) / jnp.linalg.norm(ref_flat)) < 2e-2
+    ref, got = grads(module), grads(wrap(module, "mixed_bfloat16"))
+    ref_flat, got_flat = (
+        jnp.concatenate([g.ravel() for g in jax.tree.leaves(t)]) for t in (ref, got)
+    )
+    # bf16 operands carry 8 significant bits; fp32 accumulation keeps the sums close.
+    assert float(jnp.linalg.norm(got_flat - ref_flat) / jnp.linalg.norm(ref_flat)) < 2e-2
 
 
 def test_wrap_batch_norm_stats_stay_fp32_and_update():
-  module, x, _ = MODELS["resnet"]
-  variables = module.init(jax.random.key(0), x)
-  model = wrap(module, "mixed_float16")
-  _, updates = model.apply(variables, x, train=True, mutable=["batch_stats"])
-  assert {a.dtype for a in jax.tree.leaves(updates)} == {F32}
-  changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), variables["batch_stats"],
-                         updates["batch_stats"])
-  assert any(jax.tree.leaves(changed))
-  # Statistics close to those of the fp32 model: normalization did not run in 16 bits.
-  _, ref = module.apply(variables, x, train=True, mutable=["batch_stats"])
-  jax.tree.map(lambda r, g: np.testing.assert_allclose(g, r, rtol=2e-2, atol=2e-3), ref, updates)
+    module, x, _ = MODELS["resnet"]
+    variables = module.init(jax.random.key(0), x)
+    model = wrap(module, "mixed_float16")
+    _, updates = model.apply(variables, x, train=True, mutable=["batch_stats"])
+    assert {a.dtype for a in jax.tree.leaves(updates)} == {F32}
+    changed = jax.tree.map(
+        lambda a, b: not np.array_equal(a, b), variables["batch_stats"], updates["batch_stats"]
+    )
+    assert any(jax.tree.leaves(changed))
+    # Statistics close to those of the fp32 model: normalization did not run in 16 bits.
+    _, ref = module.apply(variables, x, train=True, mutable=["batch_stats"])
+    jax.tree.map(lambda r, g: np.testing.assert_allclose(g, r, rtol=2e-2, atol=2e-3), ref, updates)
 
 
 def _norm_eqn_dtypes(model, variables, x):
-  """dtypes of the variance's rsqrt: the step where 16-bit normalization loses most."""
-  jaxpr = jax.make_jaxpr(lambda v: model.apply(v, x))(variables).jaxpr
-  return {np.dtype(e.invars[0].aval.dtype) for e in jaxpr.eqns if e.primitive.name == "rsqrt"}
+    """dtypes of the variance's rsqrt: the step where 16-bit normalization loses most."""
+    jaxpr = jax.make_jaxpr(lambda v: model.apply(v, x))(variables).jaxpr
+    return {np.dtype(e.invars[0].aval.dtype) for e in jaxpr.eqns if e.primitive.name == "rsqrt"}
 
 
 def test_wrap_layer_norm_runs_in_fp32_even_when_the_model_says_bf16():
-  # A model that asked for bf16 statistics: the default override still normalizes in fp32.
-  module = nn.Sequential([nn.Dense(8, dtype=jnp.bfloat16),
-                         nn.LayerNorm(dtype=jnp.bfloat16, force_float32_reductions=False)])
-  x = jnp.ones((2, 4))
-  variables = module.init(jax.random.key(0), x)
-  assert _norm_eqn_dtypes(module, variables, x) == {BF16}
-  assert _norm_eqn_dtypes(wrap(module, "mixed_bfloat16"), variables, x) == {F32}
+    # A model that asked for bf16 statistics: the default override still normalizes in fp32.
+    module = nn.Sequential(
+        [
+            nn.Dense(8, dtype=jnp.bfloat16),
+            nn.LayerNorm(dtype=jnp.bfloat16, force_float32_reductions=False),
+        ]
+    )
+    x = jnp.ones((2, 4))
+    variables = module.init(jax.random.key(0), x)
+    assert _norm_eqn_dtypes(module, variables, x) == {BF16}
+    assert _norm_eqn_dtypes(wrap(module, "mixed_bfloat16"), variables, x) == {F32}
 
 
 def test_wrap_overrides_by_class_and_by_path():
-  module, x, _ = MODELS["shared"]
-  variables = module.init(jax.random.key(0), x)
+    module, x, _ = MODELS["shared"]
+    variables = module.init(jax.random.key(0), x)
 
-  def dtypes(model):
-    jaxpr = jax.make_jaxpr(lambda v: model.apply(v, x))(variables).jaxpr
-    return [d for _, d in _matmul_operand_dtypes(jaxpr)]
+    def dtypes(model):
+        jaxpr = jax.make_jaxpr(lambda v: model.apply(v, x))(variables).jaxpr
+        return [d for _, d in _matmul_operand_dtypes(jaxpr)]
 
-  assert dtypes(wrap(module, "mixed_bfloat16")) == [(BF16, BF16)] * 3
-  # Path pattern: only the nested RawParam stays fp32.
-  assert dtypes(wrap(module, "mixed_bfloat16", {"inner": "float32"})) == [
-      (BF16, BF16), (F32, F32), (BF16, BF16)]
-  # Class: every Dense in fp16 while the rest is bf16.
-  assert dtypes(wrap(module, "mixed_bfloat16", {nn.Dense: "mixed_float16"})) == [
-      (F16, F16), (BF16, BF16), (F16, F16)]
+    assert dtypes(wrap(module, "mixed_bfloat16")) == [(BF16, BF16)] * 3
+    # Path pattern: only the nested RawParam stays fp32.
+    assert dtypes(wrap(module, "mixed_bfloat16", {"inner": "float32"})) == [
+        (BF16, BF16),
+        (F32, F32),
+        (BF16, BF16),
+    ]
+    # Class: every Dense in fp16 while the rest is bf16.
+    assert dtypes(wrap(module, "mixed_bfloat16", {nn.Dense: "mixed_float16"})) == [
+        (F16, F16),
+        (BF16, BF16),
+        (F16, F16),
+    ]
 
 
 def test_wrap_method_rngs_and_extra_arguments():
-  module, x, _ = MODELS["shared"]
-  variables = module.init(jax.random.key(0), x)
-  model = wrap(module, "mixed_bfloat16")
-  enc = model.apply(variables, x, method="encode")
-  np.testing.assert_allclose(enc, module.apply(variables, x, method="encode"), rtol=3e-2,
-                             atol=3e-2)
-  enc2 = model.apply(variables, x, method=Shared.encode)
-  np.testing.assert_array_equal(enc, enc2)
+    module, x, _ = MODELS["shared"]
+    variables = module.init(jax.random.key(0), x)
+    model = wrap(module, "mixed_bfloat16")
+    enc = model.apply(variables, x, method="encode")
+    np.testing.assert_allclose(
+        enc, module.apply(variables, x, method="encode"), rtol=3e-2, atol=3e-2
+    )
+    enc2 = model.apply(variables, x, method=Shared.encode)
+    np.testing.assert_array_equal(enc, enc2)
 
-  lm = TransformerLM(vocab_size=50, num_layers=1, d_model=16, num_heads=2, mlp_dim=32,
-                     max_len=16, dropout_rate=0.5)
-  tokens = MODELS["transformer"][1]
-  wlm = wrap(lm, "mixed_bfloat16")
-  v = wlm.init(jax.random.key(0), tokens)
-  a = wlm.apply(v, tokens, train=True, rngs={"dropout": jax.random.key(1)})
-  b = wlm.apply(v, tokens, train=True, rngs={"dropout": jax.random.key(2)})
-  c = wlm.apply(v, tokens, train=False)
-  assert not np.array_equal(a, b)
-  np.testing.assert_array_equal(c, wlm.apply(v, tokens))
+    lm = TransformerLM(
+        vocab_size=50,
+        num_layers=1,
+        d_model=16,
+        num_heads=2,
+        mlp_dim=32,
+        max_len=16,
+        dropout_rate=0.5,
+    )
+    tokens = MODELS["transformer"][1]
+    wlm = wrap(lm, "mixed_bfloat16")
+    v = wlm.init(jax.random.key(0), tokens)
+    a = wlm.apply(v, tokens, train=True, rngs={"dropout": jax.random.key(1)})
+    b = wlm.apply(v, tokens, train=True, rngs={"dropout": jax.random.key(2)})
+    c = wlm.apply(v, tokens, train=False)
+    assert not np.array_equal(a, b)
+    np.testing.assert_array_equal(c, wlm.apply(v, tokens))
 
 
 def test_wrap_init_with_output_and_errors():
-  module, x, _ = MODELS["raw_param"]
-  model = wrap(module, "mixed_bfloat16")
-  out, variables = model.init_with_output(jax.random.key(0), x)
-  assert out.dtype == F32
-  jax.tree.map(np.testing.assert_array_equal, variables, module.init(jax.random.key(0), x))
-  with pytest.raises(ValueError, match="already wrapped"):
-    wrap(model, "mixed_bfloat16")
-  with pytest.raises(TypeError, match="flax.linen.Module"):
-    wrap(lambda x: x, "mixed_bfloat16")
-  with pytest.raises(ValueError):
-    wrap(module, "mixed_float12")
+    module, x, _ = MODELS["raw_param"]
+    model = wrap(module, "mixed_bfloat16")
+    out, variables = model.init_with_output(jax.random.key(0), x)
+    assert out.dtype == F32
+    jax.tree.map(np.testing.assert_array_equal, variables, module.init(jax.random.key(0), x))
+    with pytest.raises(ValueError, match="already wrapped"):
+        wrap(model, "mixed_bfloat16")
+    with pytest.raises(TypeError, match="flax.linen.Module"):
+        wrap(lambda x: x, "mixed_bfloat16")
+    with pytest.raises(ValueError):
+        wrap(module, "mixed_float12")
 
 
 def test_wrap_reaches_matmuls_inside_scan_and_remat():
-  class Scanned(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      block = nn.remat(nn.Dense)
-      scan = nn.scan(lambda mdl, c, _: (mdl(c), None), variable_broadcast="params",
-                     split_rngs={"params": False}, length=3)
-      y, _ = scan(block(x.shape[-1]), x, None)
-      return y
+    class Scanned(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            block = nn.remat(nn.Dense)
+            scan = nn.scan(
+                lambda mdl, c, _: (mdl(c), None),
+                variable_broadcast="params",
+                split_rngs={"params": False},
+                length=3,
+            )
+            y, _ = scan(block(x.shape[-1]), x, None)
+            return y
 
-  module, x = Scanned(), jnp.ones((2, 4))
-  variables = module.init(jax.random.key(0), x)
-  model = wrap(module, "mixed_bfloat16")
-  found = _matmul_operand_dtypes(_loss_and_grad_jaxpr(model, variables, x, {}))
-  assert found and all(d == (BF16, BF16) for _, d in found)
-  np.testing.assert_allclose(model.apply(variables, x), module.apply(variables, x), rtol=3e-2,
-                             atol=3e-2)
+    module, x = Scanned(), jnp.ones((2, 4))
+    variables = module.init(jax.random.key(0), x)
+    model = wrap(module, "mixed_bfloat16")
+    found = _matmul_operand_dtypes(_loss_and_grad_jaxpr(model, variables, x, {}))
+    assert found and all(d == (BF16, BF16) for _, d in found)
+    np.testing.assert_allclose(
+        model.apply(variables, x), module.apply(variables, x), rtol=3e-2, atol=3e-2
+    )

@@ -4,50 +4,52 @@ import flax.linen as nn
 
 
 class DecoderBlock(nn.Module):
-  """Causal self-attention and an MLP, each behind a LayerNorm with a residual connection."""
+    """Causal self-attention and an MLP, each behind a LayerNorm with a residual connection."""
 
-  num_heads: int
-  mlp_dim: int
-  dropout_rate: float
+    num_heads: int
+    mlp_dim: int
+    dropout_rate: float
 
-  @nn.compact
-  def __call__(self, x, mask, train: bool):
-    drop = nn.Dropout(self.dropout_rate, deterministic=not train)
-    y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, deterministic=True)(
-        nn.LayerNorm()(x), mask=mask)
-    x = x + drop(y)
-    y = nn.Dense(self.mlp_dim)(nn.LayerNorm()(x))
-    y = nn.Dense(x.shape[-1])(nn.gelu(y))
-    return x + drop(y)
+    @nn.compact
+    def __call__(self, x, mask, train: bool):
+        drop = nn.Dropout(self.dropout_rate, deterministic=not train)
+        y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, deterministic=True)(
+            nn.LayerNorm()(x), mask=mask
+        )
+        x = x + drop(y)
+        y = nn.Dense(self.mlp_dim)(nn.LayerNorm()(x))
+        y = nn.Dense(x.shape[-1])(nn.gelu(y))
+        return x + drop(y)
 
 
 class TransformerLM(nn.Module):
-  """Next-token logits for integer token sequences of shape [batch, length].
+    """Next-token logits for integer token sequences of shape [batch, length].
 
-  Example::
+    Example::
 
-    model = TransformerLM(vocab_size=256, num_layers=2)
-    logits_BLV = model.apply(variables, tokens_BL)
-  """
+      model = TransformerLM(vocab_size=256, num_layers=2)
+      logits_BLV = model.apply(variables, tokens_BL)
+    """
 
-  vocab_size: int
-  num_layers: int = 4
-  d_model: int = 256
-  num_heads: int = 4
-  mlp_dim: int = 1024
-  max_len: int = 1024
-  dropout_rate: float = 0.0
+    vocab_size: int
+    num_layers: int = 4
+    d_model: int = 256
+    num_heads: int = 4
+    mlp_dim: int = 1024
+    max_len: int = 1024
+    dropout_rate: float = 0.0
 
-  @nn.compact
-  def __call__(self, tokens_BL, train: bool = False):
-    length = tokens_BL.shape[1]
-    embed = nn.Embed(self.vocab_size, self.d_model)
-    positions = self.param("pos_embedding", nn.initializers.normal(0.02),
-                           (self.max_len, self.d_model))
-    x = embed(tokens_BL) + positions[:length]
-    mask = nn.make_causal_mask(tokens_BL)
-    for _ in range(self.num_layers):
-      x = DecoderBlock(self.num_heads, self.mlp_dim, self.dropout_rate)(x, mask, train)
-    x = nn.LayerNorm()(x)
-    # Tied output embedding: a raw matmul against a parameter, which wrapping must still reach.
-    return embed.attend(x)
+    @nn.compact
+    def __call__(self, tokens_BL, train: bool = False):
+        length = tokens_BL.shape[1]
+        embed = nn.Embed(self.vocab_size, self.d_model)
+        positions = self.param(
+            "pos_embedding", nn.initializers.normal(0.02), (self.max_len, self.d_model)
+        )
+        x = embed(tokens_BL) + positions[:length]
+        mask = nn.make_causal_mask(tokens_BL)
+        for _ in range(self.num_layers):
+            x = DecoderBlock(self.num_heads, self.mlp_dim, self.dropout_rate)(x, mask, train)
+        x = nn.LayerNorm()(x)
+        # Tied output embedding: a raw matmul against a parameter, which wrapping must still reach.
+        return embed.attend(x)
