@@ -30,6 +30,10 @@ def _free_dims(ndim, *used):
     return [d for d in range(ndim) if d not in taken]
 
 
+def _size(x, axes) -> int:
+    return int(np.prod([x.shape[d] for d in axes], dtype=np.int64))
+
+
 def _canonical_matmul(lhs, rhs, dims):
     """The same product as a [batch, M, K] x [batch, K, N] matmul behind an optimization barrier.
 
@@ -42,8 +46,7 @@ def _canonical_matmul(lhs, rhs, dims):
     l_free = _free_dims(lhs.ndim, lc, lb)
     r_free = _free_dims(rhs.ndim, rc, rb)
     batch = [lhs.shape[d] for d in lb]
-    size = lambda x, axes: int(np.prod([x.shape[d] for d in axes], dtype=np.int64))
-    m, k, n, b = size(lhs, l_free), size(lhs, lc), size(rhs, r_free), size(lhs, lb)
+    m, k, n, b = _size(lhs, l_free), _size(lhs, lc), _size(rhs, r_free), _size(lhs, lb)
     lhs3 = lax.transpose(lhs, tuple(lb) + tuple(l_free) + tuple(lc)).reshape(b, m, k)
     rhs3 = lax.transpose(rhs, tuple(rb) + tuple(rc) + tuple(r_free)).reshape(b, k, n)
     lhs3, rhs3 = lax.optimization_barrier((lhs3, rhs3))

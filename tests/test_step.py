@@ -234,7 +234,10 @@ def test_accumulation_threads_model_state_through_microbatches():
     expected, loss_fn = state.model_state, make_loss_fn(model)
     for half in (slice(0, 4), slice(4, 8)):  # microbatches run in order, each updating the stats
         _, (expected, _) = loss_fn(
-            state.params, expected, jax.tree.map(lambda x: x[half], batch), KEY  # noqa: B023
+            state.params,
+            expected,
+            jax.tree.map(lambda x: x[half], batch),
+            KEY,  # noqa: B023
         )
     assert_trees_close(new.model_state, expected)
 
