@@ -1,1 +1,47 @@
-"""jamp: mixed-precision training for JAX and Flax."""
+"""jamp: mixed-precision training for JAX and Flax.
+
+The public API, all documented in the README:
+
+* policies: `get_policy`, `describe_policy`, `PRESETS`;
+* wrapping: `wrap`, `FP32_MODULES`;
+* loss scales: `NoOpLossScale`, `StaticLossScale`, `DynamicLossScale`, `loss_scale_for`,
+  `all_finite`, `select_tree`;
+* training: `TrainState`, `make_train_step`, `make_eval_step`;
+* data parallelism: the `jamp.parallel` module (`replicate`, `unreplicate`, `shard`,
+  `make_p_train_step`, `make_p_eval_step`).
+"""
+
+from jamp import parallel
+from jamp.loss_scale import (
+    DynamicLossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+    loss_scale_for,
+    select_tree,
+)
+from jamp.precision import PRESETS, get_policy
+from jamp.precision import describe as describe_policy
+from jamp.state import TrainState
+from jamp.step import make_eval_step, make_train_step
+from jamp.wrap import FP32_MODULES, wrap
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "FP32_MODULES",
+    "PRESETS",
+    "DynamicLossScale",
+    "NoOpLossScale",
+    "StaticLossScale",
+    "TrainState",
+    "all_finite",
+    "describe_policy",
+    "get_policy",
+    "loss_scale_for",
+    "make_eval_step",
+    "make_train_step",
+    "parallel",
+    "select_tree",
+    "wrap",
+]

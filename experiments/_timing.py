@@ -1,0 +1,44 @@
+"""Interleaved timing for noisy shared machines (see shared/research/cpu_perf.md).
+
+Every variant is timed once per round, in an order that rotates from round to round, so that a
+burst of background load hits all variants of a round alike. Compare variants by the median of the
+per-round ratios, not by ratios of medians.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Mapping
+
+import jax
+
+
+def interleaved(
+    runners: Mapping[str, Callable[[], object]], rounds: int, steps: int
+) -> dict[str, list[float]]:
+    """Times `steps` calls of each runner per round; returns seconds per call, one per round.
+
+    Args:
+      runners: name -> zero-argument callable doing one step and returning its outputs.
+      rounds: how many rounds.
+      steps: calls per variant per round; only the last call's outputs are waited for, which is
+        enough when each call consumes the previous one's state.
+    """
+    names = list(runners)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            run = runners[name]
+            start = time.perf_counter()
+            for _ in range(steps):
+                out = run()
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - start) / steps)
+    return times
+
+
+def ratio_stats(num: list[float], den: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of the per-round ratios num[r] / den[r]."""
+    ratios = [a / b for a, b in zip(num, den)]
+    return statistics.median(ratios), min(ratios), max(ratios)

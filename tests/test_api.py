@@ -1,0 +1,109 @@
+"""The public surface, import cost and layering of the jamp package."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import jamp
+
+JAMP = pathlib.Path(jamp.__file__).parent
+
+# What the README documents: adding a name here means documenting it there.
+PUBLIC = {
+    "FP32_MODULES",
+    "PRESETS",
+    "DynamicLossScale",
+    "NoOpLossScale",
+    "StaticLossScale",
+    "TrainState",
+    "all_finite",
+    "describe_policy",
+    "get_policy",
+    "loss_scale_for",
+    "make_eval_step",
+    "make_train_step",
+    "parallel",
+    "select_tree",
+    "wrap",
+}
+
+# Imports point downward only: a module may import jamp modules of a strictly lower rank.
+RANK = {
+    "precision": 0,
+    "mixed_ops": 0,
+    "loss_scale": 1,
+    "autocast": 1,
+    "wrap": 2,
+    "state": 2,
+    "step": 3,
+    "parallel": 4,
+    "models": 4,
+    "checkpoint": 4,
+    "data": 4,
+    "metrics": 4,
+    "optim": 4,
+    "loop": 5,
+    "train": 6,
+}
+# Heavy or program-only dependencies, and the only modules allowed to import them.
+CONFINED = {
+    "tensorflow": {"data"},
+    "tensorflow_datasets": {"data"},
+    "orbax": {"checkpoint"},
+    "ml_collections": {"loop", "train"},
+}
+
+
+def test_api_all_is_exactly_the_documented_surface():
+    assert set(jamp.__all__) == PUBLIC
+    for name in PUBLIC:
+        assert getattr(jamp, name) is not None
+    readme = (JAMP.parent / "README.md").read_text()
+    missing = [name for name in PUBLIC if name not in readme]
+    assert not missing, f"public names not documented in README.md: {missing}"
+
+
+def test_api_import_pulls_in_no_training_program_dependencies():
+    code = (
+        "import sys, jamp; heavy = ('tensorflow', 'tensorflow_datasets', 'orbax', "
+        "'ml_collections', 'jamp.train', 'jamp.loop', 'jamp.data', 'jamp.checkpoint');"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy or m in heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def _module_key(path: pathlib.Path) -> str:
+    rel = path.relative_to(JAMP).with_suffix("")
+    return rel.parts[0]
+
+
+def _imports(path: pathlib.Path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "jamp":
+                yield from (f"jamp.{alias.name}" for alias in node.names)
+            else:
+                yield node.module
+
+
+def test_api_imports_point_downward_only():
+    problems = []
+    for path in sorted(JAMP.rglob("*.py")):
+        if path.name == "__init__.py" and path.parent == JAMP or path.name == "__main__.py":
+            continue
+        me = _module_key(path)
+        assert me in RANK, f"new module {me}: give it a rank in this test"
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[0] == "jamp" and len(parts) > 1 and parts[1] != me:
+                if RANK[parts[1]] >= RANK[me]:
+                    problems.append(f"{path.name} imports {name}")
+            allowed = CONFINED.get(parts[0])
+            if allowed is not None and me not in allowed:
+                problems.append(f"{path.name} imports {name} (only {sorted(allowed)} may)")
+    assert not problems, problems

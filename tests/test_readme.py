@@ -1,0 +1,32 @@
+"""The README's library example runs as written and does what the README says."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+README = pathlib.Path(__file__).parents[1] / "README.md"
+
+
+def _python_blocks():
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_readme_library_example_trains_in_fp16_on_several_devices(tmp_path):
+    example = next(block for block in _python_blocks() if "p_train_step" in block)
+    script = tmp_path / "example.py"
+    script.write_text(example)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    match = re.search(
+        r"loss ([\d.]+)  accuracy ([\d.]+)  loss scale (\d+)  skipped steps (\d+)", out.stdout
+    )
+    assert match, out.stdout
+    loss, accuracy, scale, skipped = map(float, match.groups())
+    assert accuracy >= 0.95 and loss < 0.2
+    # 100 finite steps: no skip, and no growth before the 2000-step interval.
+    assert skipped == 0 and scale == 2**16
