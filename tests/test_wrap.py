@@ -319,3 +319,41 @@ def test_wrap_reaches_matmuls_inside_scan_and_remat():
     np.testing.assert_allclose(
         model.apply(variables, x), module.apply(variables, x), rtol=3e-2, atol=3e-2
     )
+
+
+def test_wrap_fp16_train_step_compiles_once_skips_overflow_and_learns():
+    import optax
+
+    from jamp.loss_scale import DynamicLossScale
+    from jamp.state import TrainState
+    from jamp.step import make_train_step
+
+    module, images, _ = MODELS["seed_cnn"]
+    labels = jnp.array([0, 1])
+    model = wrap(module, "mixed_float16")
+    params = model.init(jax.random.key(0), images)["params"]
+
+    def loss_fn(params, model_state, batch, rng):
+        logits = model.apply({"params": params}, batch["x"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        return loss, (model_state, {})
+
+    tx = optax.adam(1e-3)
+    # 2**40 overflows fp16 gradients for sure: the first steps must be skipped, not applied.
+    state = TrainState.create(
+        params, tx, loss_scale=DynamicLossScale(2.0**40, growth_interval=5, max_loss_scale=2.0**40)
+    )
+    step = jax.jit(make_train_step(loss_fn, tx))
+    batch = {"x": images, "y": labels}
+    state, metrics = step(state, batch, jax.random.key(0))
+    assert not bool(metrics["grads_finite"])
+    jax.tree.map(np.testing.assert_array_equal, state.params, params)
+    losses = []
+    for _ in range(40):
+        state, metrics = step(state, batch, jax.random.key(0))
+        losses.append(float(metrics["loss"]))
+    assert step._cache_size() == 1
+    skipped = int(state.skipped_steps)
+    # Every skip halves the scale: from 2**40 to a workable fp16 scale takes a bounded number.
+    assert 1 <= skipped <= 40 and float(state.loss_scale.loss_scale) < 2.0**40
+    assert losses[-1] < 0.5 * losses[0]

@@ -1,0 +1,340 @@
+"""Core CPU benchmark: jamp.wrap vs hand-written bf16 Flax, and the cost of dynamic loss scaling.
+
+    cd /work/main && /work/venv/bin/python experiments/bench_core.py          # full, ~10 min
+    cd /work/main && /work/venv/bin/python experiments/bench_core.py --quick  # smoke, ~1-2 min
+
+For the seed CNN (CIFAR-shaped, batch 64) and a 4-layer Transformer LM (d=256, batch 16, seq 128)
+it times the full jitted train step (jamp.step.make_train_step, optax.adam, fp32 params, donated
+state) of five variants of the same network, interleaved in rounds (experiments/_timing.py):
+
+  fp32          the jamp.models module as written (default matmul precision: true fp32 on CPU)
+  hand_bf16     the same network written here with dtype=bf16, param_dtype=fp32 on every layer
+  wrap_bf16     jamp.wrap(model, "mixed_bfloat16")
+  wrap_f16      jamp.wrap(model, "mixed_float16") with NoOpLossScale
+  wrap_f16_dls  the same with DynamicLossScale()
+
+Headline ratios (median of per-round ratios): (a) wrap_bf16 / hand_bf16, target <= 1.02;
+(b) wrap_f16_dls / wrap_f16, target <= 1.03, plus their compile time and XLA temp memory.
+Writes experiments/results/core_cpu.md; text below its "<!-- notes -->" line is kept on rerun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import os
+import re
+import statistics
+import sys
+import time
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+import optax
+from _timing import interleaved, ratio_stats
+
+from jamp.loss_scale import DynamicLossScale, NoOpLossScale
+from jamp.models import SeedCNN, TransformerLM
+from jamp.state import TrainState
+from jamp.step import make_train_step
+from jamp.wrap import wrap
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+HAND = dict(dtype=BF16, param_dtype=F32)  # what a user sets by hand on every layer
+TX = optax.adam(1e-3)
+KEY = jax.random.key(0)
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "core_cpu.md")
+NOTES = "<!-- notes -->"
+
+
+# ----- the same networks as jamp.models, written by hand in bf16 (no jamp)
+
+
+class HandCNN(nn.Module):
+    num_classes: int = 10
+
+    @nn.compact
+    def __call__(self, images_NHWC, train: bool = False):
+        x = images_NHWC.astype(BF16)
+        x = nn.relu(nn.Conv(32, (3, 3), padding=1, **HAND)(x))
+        x = nn.relu(nn.Conv(64, (3, 3), padding=1, **HAND)(x))
+        x = nn.max_pool(x, (2, 2), strides=(2, 2))
+        x = nn.relu(nn.Dense(256, **HAND)(x.reshape(x.shape[0], -1)))
+        return nn.Dense(self.num_classes, **HAND)(x).astype(F32)
+
+
+class HandBlock(nn.Module):
+    num_heads: int
+    mlp_dim: int
+
+    @nn.compact
+    def __call__(self, x, mask):
+        attn = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, deterministic=True, **HAND)
+        x = x + attn(nn.LayerNorm(**HAND)(x), mask=mask)
+        y = nn.Dense(self.mlp_dim, **HAND)(nn.LayerNorm(**HAND)(x))
+        return x + nn.Dense(x.shape[-1], **HAND)(nn.gelu(y))
+
+
+class HandLM(nn.Module):
+    vocab_size: int
+    num_layers: int = 4
+    d_model: int = 256
+    num_heads: int = 4
+    mlp_dim: int = 1024
+    max_len: int = 1024
+
+    @nn.compact
+    def __call__(self, tokens_BL, train: bool = False):
+        embed = nn.Embed(self.vocab_size, self.d_model, **HAND)
+        pos = self.param("pos_embedding", nn.initializers.normal(0.02), (self.max_len, self.d_model))
+        x = embed(tokens_BL) + pos[: tokens_BL.shape[1]].astype(BF16)
+        mask = nn.make_causal_mask(tokens_BL)
+        for i in range(self.num_layers):  # named like jamp.models' DecoderBlock_i
+            x = HandBlock(self.num_heads, self.mlp_dim, name=f"DecoderBlock_{i}")(x, mask)
+        return embed.attend(nn.LayerNorm(**HAND)(x)).astype(F32)
+
+
+def make_models(name):
+    """(plain jamp.models module, hand-written bf16 twin, batch) for one benchmark model."""
+    rng = np.random.default_rng(0)
+    if name == "cnn":
+        batch = {
+            "x": jnp.asarray(rng.standard_normal((64, 32, 32, 3)), F32),
+            "y": jnp.asarray(rng.integers(0, 10, 64), jnp.int32),
+        }
+        return SeedCNN(num_classes=10), HandCNN(num_classes=10), batch
+    tokens = jnp.asarray(rng.integers(0, 1024, (16, 129)), jnp.int32)
+    batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+    cfg = dict(vocab_size=1024, num_layers=4, d_model=256, num_heads=4, mlp_dim=1024)
+    return TransformerLM(**cfg), HandLM(**cfg), batch
+
+
+def make_loss(apply_fn):
+    def loss_fn(params, model_state, batch, rng):
+        del rng  # no dropout in these models
+        logits = apply_fn({"params": params}, batch["x"]).astype(F32)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        return loss, (model_state, {})
+
+    return loss_fn
+
+
+# ----- XLA's view of a compiled step
+
+
+def hlo_summary(text: str) -> str:
+    """Counts dots / convolutions by operand dtypes and by whether they run in a YNN fusion."""
+    types, comp_of, ynn_comps, ops = {}, {}, set(), []
+    comp = None
+    for line in text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%(\S+) \(.*\{$", line)
+        if head:
+            comp = head.group(1)
+            continue
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = (\w+)\[.*?\]\S* (\w+)\((.*?)\)", line)
+        if not m:
+            continue
+        name, dtype, op, args = m.groups()
+        types[name], comp_of[name] = dtype, comp
+        if op == "fusion" and "__ynn_fusion" in line:
+            ynn_comps.add(re.search(r"calls=%(\S+?),", line).group(1))
+        if op in ("dot", "convolution", "convert"):
+            ops.append((name, op, dtype, [a.strip().lstrip("%") for a in args.split(",")]))
+    counts = collections.Counter()
+    for name, op, out, args in ops:
+        if op == "convert":
+            counts["convert"] += 1
+            continue
+        where = "ynn" if comp_of[name] in ynn_comps else "xla"
+        counts[f"{op} {'x'.join(types.get(a, '?') for a in args)}->{out} {where}"] += 1
+    return "; ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+
+
+# ----- building, compiling and running the variants
+
+
+def variants(model, hand):
+    return {
+        "fp32": (model, NoOpLossScale),
+        "hand_bf16": (hand, NoOpLossScale),
+        "wrap_bf16": (wrap(model, "mixed_bfloat16"), NoOpLossScale),
+        "wrap_f16": (wrap(model, "mixed_float16"), NoOpLossScale),
+        "wrap_f16_dls": (wrap(model, "mixed_float16"), DynamicLossScale),
+    }
+
+
+def compile_all(specs, params, batch, reps):
+    """Lowers and compiles every variant `reps` times in rotating order, caches cleared each time."""
+    out = {name: {"lower": [], "compile": []} for name in specs}
+    names = list(specs)
+    for r in range(reps):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            module, loss_scale = specs[name]
+            jax.clear_caches()
+            step = jax.jit(make_train_step(make_loss(module.apply), TX), donate_argnums=0)
+            state = TrainState.create(jax.tree.map(jnp.copy, params), TX, loss_scale=loss_scale())
+            t0 = time.perf_counter()
+            lowered = step.lower(state, batch, KEY)
+            t1 = time.perf_counter()
+            compiled = lowered.compile()
+            out[name]["lower"].append(t1 - t0)
+            out[name]["compile"].append(time.perf_counter() - t1)
+            out[name].update(compiled=compiled, state=state)
+    for info in out.values():
+        info["compile_s"] = statistics.median(a + b for a, b in zip(info["lower"], info["compile"]))
+        info["temp"] = info["compiled"].memory_analysis().temp_size_in_bytes
+        info["hlo"] = hlo_summary(info["compiled"].as_text())
+    return out
+
+
+class Runner:
+    """One variant's compiled step and its (donated, hence replaced every call) state."""
+
+    def __init__(self, compiled, state, batch):
+        self.compiled, self.state, self.batch = compiled, state, batch
+
+    def __call__(self):
+        self.state, metrics = self.compiled(self.state, self.batch, KEY)
+        return self.state, metrics
+
+
+def bench_model(name, rounds, steps, reps, sanity_steps=5):
+    model, hand, batch = make_models(name)
+    params = model.init(KEY, batch["x"])["params"]
+    shapes = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype), tree)  # noqa: E731
+    hand_params = jax.eval_shape(lambda: hand.init(KEY, batch["x"])["params"])
+    assert shapes(hand_params) == shapes(params), "hand-written network differs from jamp.models'"
+    specs = variants(model, hand)
+    print(f"[{name}] compiling {len(specs)} variants x {reps} ...", flush=True)
+    info = compile_all(specs, params, batch, reps)
+    runners = {n: Runner(i["compiled"], i["state"], batch) for n, i in info.items()}
+    for n, run in runners.items():  # sanity: finite, and similar losses after a few steps
+        losses = [float(run()[1]["loss"]) for _ in range(sanity_steps)]
+        info[n]["losses"] = losses
+        assert np.all(np.isfinite(losses)), f"{name}/{n}: non-finite loss {losses}"
+        print(f"[{name}] {n:13s} loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    ref = info["fp32"]["losses"][-1]
+    for n in ("hand_bf16", "wrap_bf16"):
+        if abs(info[n]["losses"][-1] - ref) > 0.05 * abs(ref) + 0.05:
+            print(f"[{name}] WARNING: {n} loss differs from fp32 after {sanity_steps} steps")
+    print(f"[{name}] timing {rounds} rounds x {steps} steps ...", flush=True)
+    t0 = time.perf_counter()
+    times = interleaved(runners, rounds, steps)
+    print(f"[{name}] timed in {time.perf_counter() - t0:.0f} s", flush=True)
+    for n in info:
+        info[n]["times"] = times[n]
+    return info
+
+
+# ----- reporting
+
+
+def fmt_ratio(stats):
+    med, lo, hi = stats
+    return f"{med:.3f} [{lo:.2f}–{hi:.2f}]"
+
+
+def model_table(name, info):
+    rows = [
+        f"### {name}",
+        "",
+        "| variant | step ms (median) | vs hand_bf16 | vs fp32 | lower+compile s | temp MiB | loss step 1 → 5 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n, i in info.items():
+        rows.append(
+            f"| {n} | {1e3 * statistics.median(i['times']):.1f} "
+            f"| {fmt_ratio(ratio_stats(i['times'], info['hand_bf16']['times']))} "
+            f"| {fmt_ratio(ratio_stats(i['times'], info['fp32']['times']))} "
+            f"| {i['compile_s']:.2f} | {i['temp'] / 2**20:.1f} "
+            f"| {i['losses'][0]:.4f} → {i['losses'][-1]:.4f} |"
+        )
+    rows += ["", "XLA ops per variant (dtypes of operands->result; ynn = inside a `__ynn_fusion`):", ""]
+    rows += [f"- {n}: {i['hlo']}" for n, i in info.items()]
+    return rows + [""]
+
+
+def headline(results):
+    rows = [
+        "| model | (a) wrap_bf16 / hand_bf16 step (≤ 1.02) | (b) f16_dls / f16 step (≤ 1.03) "
+        "| (b) compile s dls / noop (ratio) | (b) temp MiB dls / noop |",
+        "|---|---|---|---|---|",
+    ]
+    for name, info in results.items():
+        a = ratio_stats(info["wrap_bf16"]["times"], info["hand_bf16"]["times"])
+        b = ratio_stats(info["wrap_f16_dls"]["times"], info["wrap_f16"]["times"])
+        d, f = info["wrap_f16_dls"], info["wrap_f16"]
+        rows.append(
+            f"| {name} | {fmt_ratio(a)} | {fmt_ratio(b)} "
+            f"| {d['compile_s']:.2f} / {f['compile_s']:.2f} ({d['compile_s'] / f['compile_s']:.2f}) "
+            f"| {d['temp'] / 2**20:.1f} / {f['temp'] / 2**20:.1f} ({d['temp'] / f['temp']:.2f}) |"
+        )
+    return rows
+
+
+def environment(args, elapsed, load):
+    with open("/proc/cpuinfo") as f:
+        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    precision = jax.config.jax_default_matmul_precision
+    return [
+        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+        f"- command: `cd /work/main && /work/venv/bin/python {' '.join(sys.argv)}`",
+        f"- machine: {cpu}, {os.cpu_count()} cores, backend {jax.default_backend()}; "
+        f"loadavg at start {load[0]}, at end {load[1]}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+        f"- versions: jax {jax.__version__}, jaxlib {jaxlib.__version__}, flax {flax.__version__}, "
+        f"optax {optax.__version__}, Python {sys.version.split()[0]}",
+        f"- rounds x steps per variant: cnn {args.rounds} x {args.cnn_steps}, "
+        f"tlm {args.rounds} x {args.tlm_steps}; compile repeats {args.compile_reps}; "
+        f"total wall time {elapsed / 60:.1f} min",
+        f"- fp32 baseline matmul precision: jax_default_matmul_precision={precision!r} "
+        "(DEFAULT; on CPU that is true fp32, no TF32/bf16 passes)",
+        "- ratios: median of per-round ratios [min–max over rounds]; step ms: median over rounds",
+    ]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--cnn-steps", type=int, default=8)
+    p.add_argument("--tlm-steps", type=int, default=4)
+    p.add_argument("--compile-reps", type=int, default=3)
+    p.add_argument("--models", default="cnn,tlm")
+    p.add_argument("--quick", action="store_true", help="2 rounds x 2 steps, 1 compile: smoke run")
+    p.add_argument("--out", default=None, help=f"results file (default {RESULTS}; none if --quick)")
+    args = p.parse_args()
+    if args.out is None and not args.quick:
+        args.out = RESULTS
+    if args.quick:
+        args.rounds, args.cnn_steps, args.tlm_steps, args.compile_reps = 2, 2, 2, 1
+    start, load0 = time.perf_counter(), os.getloadavg()[0]
+    results = {}
+    for name in args.models.split(","):
+        steps = args.cnn_steps if name == "cnn" else args.tlm_steps
+        results[name] = bench_model(name, args.rounds, steps, args.compile_reps)
+    env = environment(args, time.perf_counter() - start, (load0, os.getloadavg()[0]))
+    labels = {"cnn": "SeedCNN, 32x32x3, batch 64", "tlm": "TransformerLM 4x256, seq 128, batch 16"}
+    lines = ["# jamp core benchmark on CPU", ""] + env + ["", "## Headline", ""] + headline(results)
+    lines += ["", "## Per model", ""]
+    for name, info in results.items():
+        lines += model_table(labels.get(name, name), info)
+    text = "\n".join(lines)
+    print("\n" + text)
+    if args.out is None:
+        return
+    notes = f"{NOTES}\n"
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            old = f.read()
+        notes = old[old.index(NOTES) :] if NOTES in old else notes
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(text + "\n" + notes)
+
+
+if __name__ == "__main__":
+    main()
