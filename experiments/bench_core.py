@@ -46,7 +46,7 @@ from jamp.wrap import wrap
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 HAND = dict(dtype=BF16, param_dtype=F32)  # what a user sets by hand on every layer
-TX = optax.adam(1e-3)
+TX = optax.adam(1e-4)
 KEY = jax.random.key(0)
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "core_cpu.md")
 NOTES = "<!-- notes -->"
@@ -91,7 +91,9 @@ class HandLM(nn.Module):
     @nn.compact
     def __call__(self, tokens_BL, train: bool = False):
         embed = nn.Embed(self.vocab_size, self.d_model, **HAND)
-        pos = self.param("pos_embedding", nn.initializers.normal(0.02), (self.max_len, self.d_model))
+        pos = self.param(
+            "pos_embedding", nn.initializers.normal(0.02), (self.max_len, self.d_model)
+        )
         x = embed(tokens_BL) + pos[: tokens_BL.shape[1]].astype(BF16)
         mask = nn.make_causal_mask(tokens_BL)
         for i in range(self.num_layers):  # named like jamp.models' DecoderBlock_i
@@ -192,15 +194,15 @@ def compile_all(specs, params, batch, reps):
     return out
 
 
-class Runner:
-    """One variant's compiled step and its (donated, hence replaced every call) state."""
+def make_runner(compiled, state, batch):
+    """One call = one step of `compiled`; the (donated) state is replaced on every call."""
+    box = [state]
 
-    def __init__(self, compiled, state, batch):
-        self.compiled, self.state, self.batch = compiled, state, batch
+    def run():
+        box[0], metrics = compiled(box[0], batch, KEY)
+        return box[0], metrics
 
-    def __call__(self):
-        self.state, metrics = self.compiled(self.state, self.batch, KEY)
-        return self.state, metrics
+    return run
 
 
 def bench_model(name, rounds, steps, reps, sanity_steps=5):
@@ -212,12 +214,17 @@ def bench_model(name, rounds, steps, reps, sanity_steps=5):
     specs = variants(model, hand)
     print(f"[{name}] compiling {len(specs)} variants x {reps} ...", flush=True)
     info = compile_all(specs, params, batch, reps)
-    runners = {n: Runner(i["compiled"], i["state"], batch) for n, i in info.items()}
+    runners = {n: make_runner(i["compiled"], i["state"], batch) for n, i in info.items()}
     for n, run in runners.items():  # sanity: finite, and similar losses after a few steps
-        losses = [float(run()[1]["loss"]) for _ in range(sanity_steps)]
-        info[n]["losses"] = losses
+        metrics = [run()[1] for _ in range(sanity_steps)]
+        losses = info[n]["losses"] = [float(m["loss"]) for m in metrics]
         assert np.all(np.isfinite(losses)), f"{name}/{n}: non-finite loss {losses}"
-        print(f"[{name}] {n:13s} loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        print(
+            f"[{name}] {n:13s} loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+            f"skipped steps {int(metrics[-1]['skipped_steps'])}, "
+            f"loss scale {float(metrics[-1]['loss_scale']):g}",
+            flush=True,
+        )
     ref = info["fp32"]["losses"][-1]
     for n in ("hand_bf16", "wrap_bf16"):
         if abs(info[n]["losses"][-1] - ref) > 0.05 * abs(ref) + 0.05:
@@ -254,7 +261,11 @@ def model_table(name, info):
             f"| {i['compile_s']:.2f} | {i['temp'] / 2**20:.1f} "
             f"| {i['losses'][0]:.4f} → {i['losses'][-1]:.4f} |"
         )
-    rows += ["", "XLA ops per variant (dtypes of operands->result; ynn = inside a `__ynn_fusion`):", ""]
+    rows += [
+        "",
+        "XLA ops per variant (dtypes of operands->result; ynn = inside a `__ynn_fusion`):",
+        "",
+    ]
     rows += [f"- {n}: {i['hlo']}" for n, i in info.items()]
     return rows + [""]
 
@@ -279,13 +290,20 @@ def headline(results):
 
 def environment(args, elapsed, load):
     with open("/proc/cpuinfo") as f:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+        info = dict(ln.split(":", 1) for ln in f.read().split("\n\n")[0].splitlines() if ":" in ln)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    flags = [
+        f
+        for f in ("avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")
+        if f in info["flags"].split()
+    ]
+    cpu = f"{info['model name']} (family {info['cpu family']} model {info['model']}, {', '.join(flags)})"
     precision = jax.config.jax_default_matmul_precision
     return [
         f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
         f"- command: `cd /work/main && /work/venv/bin/python {' '.join(sys.argv)}`",
         f"- machine: {cpu}, {os.cpu_count()} cores, backend {jax.default_backend()}; "
-        f"loadavg at start {load[0]}, at end {load[1]}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+        f"loadavg at start {load[0]:.2f}, at end {load[1]:.2f}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
         f"- versions: jax {jax.__version__}, jaxlib {jaxlib.__version__}, flax {flax.__version__}, "
         f"optax {optax.__version__}, Python {sys.version.split()[0]}",
         f"- rounds x steps per variant: cnn {args.rounds} x {args.cnn_steps}, "
@@ -300,8 +318,8 @@ def environment(args, elapsed, load):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=9)
-    p.add_argument("--cnn-steps", type=int, default=8)
-    p.add_argument("--tlm-steps", type=int, default=4)
+    p.add_argument("--cnn-steps", type=int, default=10)
+    p.add_argument("--tlm-steps", type=int, default=6)
     p.add_argument("--compile-reps", type=int, default=3)
     p.add_argument("--models", default="cnn,tlm")
     p.add_argument("--quick", action="store_true", help="2 rounds x 2 steps, 1 compile: smoke run")
@@ -324,16 +342,15 @@ def main():
         lines += model_table(labels.get(name, name), info)
     text = "\n".join(lines)
     print("\n" + text)
-    if args.out is None:
-        return
     notes = f"{NOTES}\n"
-    if os.path.exists(args.out):
+    if args.out and os.path.exists(args.out):
         with open(args.out) as f:
             old = f.read()
         notes = old[old.index(NOTES) :] if NOTES in old else notes
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text + "\n" + notes)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(text + "\n" + notes)
 
 
 if __name__ == "__main__":
