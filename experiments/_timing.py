@@ -1,7 +1,8 @@
 """Interleaved timing for noisy shared machines (see shared/research/cpu_perf.md).
 
-Every variant is timed once per round, in an order that rotates from round to round, so that a
-burst of background load hits all variants of a round alike. Compare variants by the median of the
+Every variant is timed once per round, in an order that rotates from round to round (and runs
+backwards every other round, so that no variant always follows the same one), so that a burst of
+background load hits all variants of a round alike. Compare variants by the median of the
 per-round ratios, not by ratios of medians.
 """
 
@@ -28,7 +29,8 @@ def interleaved(
     names = list(runners)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order[::-1] if r % 2 else order:
             run = runners[name]
             start = time.perf_counter()
             for _ in range(steps):

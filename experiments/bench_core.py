@@ -317,9 +317,9 @@ def environment(args, elapsed, load):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=9)
-    p.add_argument("--cnn-steps", type=int, default=10)
-    p.add_argument("--tlm-steps", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=13)
+    p.add_argument("--cnn-steps", type=int, default=12)
+    p.add_argument("--tlm-steps", type=int, default=8)
     p.add_argument("--compile-reps", type=int, default=3)
     p.add_argument("--models", default="cnn,tlm")
     p.add_argument("--quick", action="store_true", help="2 rounds x 2 steps, 1 compile: smoke run")
