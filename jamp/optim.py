@@ -1,0 +1,86 @@
+"""Optax optimizers and learning-rate schedules built from a small dataclass.
+
+Example::
+
+  tx, schedule = make_optimizer(OptimConfig(optimizer="adamw", learning_rate=3e-4,
+                                            schedule="warmup_cosine", warmup_steps=100,
+                                            num_train_steps=10_000))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import optax
+
+OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
+SCHEDULES = ("constant", "cosine", "warmup_cosine")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """What `make_optimizer` builds.
+
+    Attributes:
+      optimizer: one of `OPTIMIZERS`.
+      learning_rate: the peak learning rate.
+      schedule: one of `SCHEDULES`; the cosine ones decay to 0 at `num_train_steps`.
+      warmup_steps: linear warmup from 0 (``warmup_cosine`` only).
+      num_train_steps: the length of the run, for the decay.
+      weight_decay: decoupled weight decay (``adamw``) or L2 added to the gradient (others).
+      momentum: for ``momentum`` (heavy ball, Nesterov).
+    """
+
+    optimizer: str = "adam"
+    learning_rate: float = 1e-3
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    num_train_steps: int = 1000
+    weight_decay: float = 0.0
+    momentum: float = 0.9
+
+    def __post_init__(self):
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"unknown optimizer {self.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}"
+            )
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"unknown schedule {self.schedule!r}; accepted: {', '.join(SCHEDULES)}"
+            )
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be positive, got {self.learning_rate}")
+        if self.warmup_steps < 0 or self.warmup_steps > self.num_train_steps:
+            raise ValueError(
+                f"warmup_steps must be between 0 and num_train_steps ({self.num_train_steps}), "
+                f"got {self.warmup_steps}"
+            )
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+
+
+def make_schedule(cfg: OptimConfig) -> optax.Schedule:
+    """The learning rate as a function of the optimizer step."""
+    if cfg.schedule == "constant":
+        return optax.constant_schedule(cfg.learning_rate)
+    if cfg.schedule == "cosine":
+        return optax.cosine_decay_schedule(cfg.learning_rate, max(cfg.num_train_steps, 1))
+    return optax.warmup_cosine_decay_schedule(
+        0.0, cfg.learning_rate, cfg.warmup_steps, max(cfg.num_train_steps, cfg.warmup_steps + 1)
+    )
+
+
+def make_optimizer(cfg: OptimConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """Returns the optax transformation and its learning-rate schedule (for logging)."""
+    schedule = make_schedule(cfg)
+    if cfg.optimizer == "adamw":
+        return optax.adamw(schedule, weight_decay=cfg.weight_decay), schedule
+    if cfg.optimizer == "adam":
+        tx = optax.adam(schedule)
+    elif cfg.optimizer == "sgd":
+        tx = optax.sgd(schedule)
+    else:
+        tx = optax.sgd(schedule, momentum=cfg.momentum, nesterov=True)
+    if cfg.weight_decay:
+        tx = optax.chain(optax.add_decayed_weights(cfg.weight_decay), tx)
+    return tx, schedule
