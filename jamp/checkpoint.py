@@ -1,0 +1,292 @@
+"""Saving and restoring the whole `TrainState` with Orbax, for the training program.
+
+A `Checkpointer` keeps the last few checkpoints of one run in a directory, one subdirectory per
+step. What it adds to Orbax's `CheckpointManager`:
+
+* `restore` takes the state the program just built as its target, so dtypes, shapes, shardings and
+  every static part of the pytree (which loss scale, its configuration, the optimizer state's
+  containers) come from the program, and only array values come from disk.
+* A checkpoint from another config (other param names, shapes or dtypes) is refused with one line
+  that names the first difference, before anything is read, instead of Orbax's silent casts or
+  multi-line tracebacks.
+* A damaged latest checkpoint (a file deleted, truncated or overwritten) is skipped with a logged
+  warning and the one before it is restored; only when none can be read does `restore` fail.
+
+Saving is atomic on local disks: Orbax writes `<step>.orbax-checkpoint-tmp/` and renames it to
+`<step>/` only once everything is written, so a save that fails or is killed leaves a tmp directory
+that is never listed, and the previous checkpoint stays the latest. Nothing here deletes or
+rewrites a checkpoint except Orbax's `max_to_keep` cleanup after a successful save.
+
+The library never imports this module (it needs orbax-checkpoint); the training program does.
+
+Example:
+    >>> ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=3)
+    >>> if ckpt.latest_step() is not None:
+    ...     state = ckpt.restore(state)  # `state` from TrainState.create: the target
+    >>> ckpt.save(int(state.step), state)
+    >>> ckpt.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jamp.state import TrainState
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be saved or restored; the message is one line meant for the user."""
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):  # DictKey / FlattenedIndexKey, GetAttrKey, SequenceKey
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _shape_dtype(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
+    dtype = leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf)
+    return tuple(np.shape(leaf) if not hasattr(leaf, "shape") else leaf.shape), np.dtype(dtype)
+
+
+def _leaf_specs(tree: Any) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Maps 'params/Dense_0/kernel'-style paths to (shape, dtype) for every array leaf of `tree`.
+
+    Works for a `TrainState` and for Orbax's stored metadata tree alike: Orbax stores attributes
+    and named-tuple fields as dict keys and tuples as lists, which give the same path strings.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(_key_name(k) for k in path): _shape_dtype(leaf) for path, leaf in leaves}
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else ""
+    if len(text) > 200:  # tensorstore errors spell out the whole spec
+        text = text[:200] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _describe_mismatch(stored: dict, wanted: dict) -> str | None:
+    """Returns the first difference between two `_leaf_specs` maps (and how many more), or None."""
+    problems = []
+    # In the target's order (params first), then what only the checkpoint has.
+    for path in [*wanted, *(p for p in stored if p not in wanted)]:
+        if path not in wanted:
+            problems.append(f"{path} is in the checkpoint but not in this model's state")
+        elif path not in stored:
+            problems.append(f"{path} is in this model's state but not in the checkpoint")
+        elif stored[path][0] != wanted[path][0]:
+            problems.append(
+                f"{path} has shape {stored[path][0]} in the checkpoint and {wanted[path][0]} here"
+            )
+        elif stored[path][1] != wanted[path][1]:
+            problems.append(
+                f"{path} has dtype {stored[path][1]} in the checkpoint and {wanted[path][1]} here"
+            )
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 1} more differences)" if len(problems) > 1 else ""
+    return problems[0] + more
+
+
+def _abstract(target: Any) -> Any:
+    """The target as shapes, dtypes and shardings; static pytree data is kept as it is."""
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def spec(leaf):
+        shape, dtype = _shape_dtype(leaf)
+        return jax.ShapeDtypeStruct(
+            shape, dtype, sharding=getattr(leaf, "sharding", None) or default
+        )
+
+    return jax.tree_util.tree_map(spec, target)
+
+
+class Checkpointer:
+    """Saves and restores `TrainState`s in `directory`, keeping the newest `max_to_keep`.
+
+    Steps are the checkpoint names: `directory/<step>/`. One process, one writer per directory.
+
+    Args:
+        directory: where the checkpoints go; created if missing.
+        max_to_keep: how many of the newest checkpoints to keep; older ones are deleted after each
+            successful save. None keeps all.
+
+    Example:
+        >>> with Checkpointer("/tmp/run/checkpoints", max_to_keep=2) as ckpt:
+        ...     ckpt.save(100, state)
+        ...     restored = ckpt.restore(state)
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3):
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be at least 1 or None, got {max_to_keep}")
+        self.directory = os.path.abspath(os.fspath(directory))
+        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler()
+        )
+
+    def latest_step(self) -> int | None:
+        """The newest checkpoint's step (readable or not), or None if there is none.
+
+        Includes a save started with `wait=False` that is still being written.
+        """
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """The steps of all checkpoints in the directory, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, state: TrainState, *, wait: bool = True) -> bool:
+        """Saves `state` as checkpoint `step`.
+
+        Args:
+            step: the checkpoint's name, normally `int(state.step)`.
+            state: the host state: unreplicated (`jamp.parallel.unreplicate`), not pmapped.
+            wait: block until the checkpoint is on disk. With False only the copy of the arrays to
+                host memory blocks (so the caller may donate or delete them right after); errors of
+                the background write are raised by the next `save`, `wait_until_finished` or
+                `close`.
+
+        Returns:
+            True if the checkpoint was written (or started), False if it was skipped because a
+            checkpoint at `step` or a later step already exists (logged).
+
+        Raises:
+            CheckpointError: the save failed (after an earlier good checkpoint stayed the latest).
+        """
+        step = int(step)
+        self.wait_until_finished()  # an earlier async save's failure is reported as that
+        latest = self.latest_step()
+        if latest is not None and step <= latest:
+            # Orbax only appends: a step at or before the latest one would be dropped silently.
+            logger.warning(
+                "not saving step %d: %s already has a checkpoint at step %d",
+                step,
+                self.directory,
+                latest,
+            )
+            return False
+        try:
+            self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
+            if wait:
+                self._manager.wait_until_finished()
+        except Exception as e:
+            self._recover()
+            raise CheckpointError(self._save_failure(f"step {step}", e)) from e
+        return True
+
+    def _save_failure(self, what: str, error: BaseException) -> str:
+        latest = self.latest_step()
+        kept = f"step {latest} is still the latest" if latest is not None else "nothing was saved"
+        return f"saving {what} to {self.directory} failed ({_first_line(error)}); {kept}"
+
+    def _recover(self) -> None:
+        # After a failed save Orbax's in-memory list of steps no longer matches the disk (it has
+        # already forgotten the step it meant to delete); read it again.
+        try:
+            self._manager.wait_until_finished()
+        except Exception:  # the failure being reported already
+            pass
+        self._manager.reload()
+
+    def wait_until_finished(self) -> None:
+        """Blocks until a save started with `wait=False` is on disk; raises CheckpointError."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            self._recover()
+            raise CheckpointError(self._save_failure("a checkpoint", e)) from e
+
+    def restore(self, target: TrainState, step: int | None = None) -> TrainState:
+        """Returns the checkpointed state, with the structure, dtypes and placement of `target`.
+
+        Args:
+            target: a state of the run being resumed, e.g. fresh from `TrainState.create` (host,
+                unreplicated); its values are not used, and leaves may be `jax.ShapeDtypeStruct`s.
+            step: which checkpoint; None means the latest readable one: a damaged newer one is
+                skipped with a logged warning. An explicit step is never substituted.
+
+        Raises:
+            CheckpointError: no checkpoint exists, none can be read, the requested step is missing
+                or damaged, or the checkpoint does not match `target` (other model or config).
+        """
+        self.wait_until_finished()
+        steps = self.all_steps()
+        if not steps:
+            raise CheckpointError(f"no checkpoint in {self.directory}")
+        if step is not None:
+            if int(step) not in steps:
+                raise CheckpointError(
+                    f"no checkpoint at step {step} in {self.directory}; there are steps "
+                    f"{', '.join(map(str, steps))}"
+                )
+            steps = [int(step)]
+        wanted = _leaf_specs(target)
+        abstract = _abstract(target)
+        failures = []
+        for candidate in reversed(steps):
+            try:
+                return self._restore_step(candidate, abstract, wanted)
+            except CheckpointError:
+                raise
+            except Exception as e:
+                failures.append(_first_line(e))
+                logger.warning(
+                    "checkpoint at step %d in %s cannot be read (%s)%s",
+                    candidate,
+                    self.directory,
+                    _first_line(e),
+                    "; trying the previous one" if candidate != steps[0] else "",
+                )
+        if step is not None:
+            raise CheckpointError(
+                f"checkpoint at step {step} in {self.directory} cannot be read ({failures[0]})"
+            )
+        raise CheckpointError(
+            f"none of the {len(steps)} checkpoints in {self.directory} can be read "
+            f"(step {steps[-1]}: {failures[0]})"
+        )
+
+    def _restore_step(self, step: int, abstract: Any, wanted: dict) -> TrainState:
+        stored = self._manager.metadata(step).item_metadata
+        stored_tree = getattr(stored, "tree", stored)
+        # Without the tree metadata (a damaged checkpoint) Orbax's own checks have to do.
+        if stored_tree is not None:
+            mismatch = _describe_mismatch(_leaf_specs(stored_tree), wanted)
+            if mismatch is not None:
+                raise CheckpointError(
+                    f"checkpoint at step {step} in {self.directory} does not match this model: "
+                    f"{mismatch}; use another --workdir or the original config"
+                )
+        return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+
+    def close(self) -> None:
+        """Waits for a pending save and releases Orbax's threads; raises CheckpointError."""
+        try:
+            self.wait_until_finished()
+        finally:
+            self._manager.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # do not hide the exception that is already on its way out
+            self.close()
+        except CheckpointError as e:
+            logger.error("%s", e)

@@ -1,0 +1,304 @@
+"""Tests for jamp.checkpoint: exact round trips, retention, damaged and foreign checkpoints, and
+saves that fail or are interrupted."""
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+from jamp.checkpoint import Checkpointer, CheckpointError
+from jamp.loss_scale import DynamicLossScale, NoOpLossScale
+from jamp.state import TrainState
+
+# When a read fails, Orbax's reader leaves a callback for an event loop it has closed; Python
+# reports it ("Event loop is closed") at some later garbage collection, in whichever test runs then.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+class _Net(nn.Module):
+    features: int = 5
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        x = nn.Dense(self.features, param_dtype=self.param_dtype)(x)
+        return nn.BatchNorm(use_running_average=not train, param_dtype=self.param_dtype)(x)
+
+
+def _loss_scale():
+    # Every static setting differs from the defaults, so a restore that dropped them would show.
+    return DynamicLossScale(
+        2.0**10,
+        growth_interval=3,
+        growth_factor=4.0,
+        backoff_factor=0.25,
+        hysteresis=2,
+        min_loss_scale=2.0,
+        max_loss_scale=2.0**20,
+    )
+
+
+def _fresh_state(features=5, loss_scale=None, param_dtype=jnp.float32):
+    variables = _Net(features, param_dtype).init(jax.random.key(0), jnp.ones((2, 3)))
+    return TrainState.create(
+        variables["params"],
+        optax.adam(1e-3),
+        model_state={"batch_stats": variables["batch_stats"]},
+        loss_scale=_loss_scale() if loss_scale is None else loss_scale,
+    )
+
+
+def _trained_state(seed=1, loss_scale=None):
+    """A state whose every leaf differs from a fresh one: as if it had trained for 7 steps."""
+    state = _fresh_state(loss_scale=loss_scale)
+    keys = iter(jax.random.split(jax.random.key(seed), 100))
+
+    def noise(x):
+        return x + jax.random.normal(next(keys), x.shape, x.dtype)
+
+    tx = optax.adam(1e-3)
+    grads = jax.tree_util.tree_map(noise, state.params)
+    _, opt_state = tx.update(grads, state.opt_state, state.params)
+    ls = state.loss_scale
+    for finite in (False, True, True, True, False):
+        ls = ls.adjust(jnp.array(finite))
+    return state.replace(
+        step=jnp.asarray(7, jnp.int32),
+        params=jax.tree_util.tree_map(noise, state.params),
+        opt_state=opt_state,
+        model_state=jax.tree_util.tree_map(noise, state.model_state),
+        loss_scale=ls,
+        skipped_steps=jnp.asarray(2, jnp.int32),
+    )
+
+
+def _assert_identical(got, want):
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert isinstance(a, jax.Array)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def _damage(step_dir: Path, how: str):
+    """Damages one checkpoint the way a full disk, a bad copy or bit rot would."""
+    item = step_dir / "default"
+    if how == "data_deleted":
+        for f in (item / "d").iterdir():
+            f.unlink()
+    elif how == "data_garbage":
+        for f in (item / "d").iterdir():
+            f.write_bytes(os.urandom(f.stat().st_size))
+    elif how == "manifest_truncated":
+        manifest = item / "manifest.ocdbt"
+        manifest.write_bytes(manifest.read_bytes()[:10])
+    elif how == "metadata_garbage":
+        (item / "_METADATA").write_text("{not json")
+    else:
+        raise AssertionError(how)
+
+
+@pytest.fixture
+def state():
+    return _trained_state()
+
+
+def test_checkpointer_round_trip_is_bit_exact(tmp_path, state):
+    with Checkpointer(tmp_path) as ckpt:
+        assert ckpt.latest_step() is None
+        assert ckpt.save(7, state) is True
+        restored = ckpt.restore(_fresh_state())
+    _assert_identical(restored, state)  # the treedef holds the loss scale's static settings
+    ls = restored.loss_scale
+    assert (ls.growth_interval, ls.growth_factor, ls.hysteresis) == (3, 4.0, 2)
+    assert (float(ls.loss_scale), int(ls.counter), int(ls.hysteresis_left)) == (2.0**12, 0, 1)
+
+
+def test_checkpointer_round_trip_noop_loss_scale_and_new_process(tmp_path):
+    state = _trained_state(loss_scale=NoOpLossScale())
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        ckpt.save(7, state)
+    with Checkpointer(tmp_path / "ckpt") as ckpt:  # as a resumed run would open it
+        assert ckpt.latest_step() == 7
+        restored = ckpt.restore(_fresh_state(loss_scale=NoOpLossScale()))
+    _assert_identical(restored, state)
+    assert isinstance(restored.loss_scale, NoOpLossScale)
+
+
+def test_checkpointer_restore_into_abstract_target(tmp_path, state):
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(7, state)
+        restored = ckpt.restore(jax.eval_shape(_fresh_state))
+    _assert_identical(restored, state)
+
+
+def test_checkpointer_max_to_keep_and_steps(tmp_path, state):
+    with Checkpointer(tmp_path, max_to_keep=2) as ckpt:
+        for step in (10, 20, 30):
+            ckpt.save(step, state.replace(step=jnp.asarray(step, jnp.int32)))
+        assert ckpt.all_steps() == [20, 30]
+        assert ckpt.latest_step() == 30
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["20", "30"]
+        assert ckpt.save(30, state) is False  # never overwrites, never goes back
+        assert ckpt.save(25, state) is False
+        assert int(ckpt.restore(state).step) == 30
+        assert int(ckpt.restore(state, step=20).step) == 20
+        with pytest.raises(CheckpointError, match="no checkpoint at step 10 .* steps 20, 30$"):
+            ckpt.restore(state, step=10)
+    with pytest.raises(CheckpointError, match="^no checkpoint in "):
+        Checkpointer(tmp_path / "empty").restore(state)
+
+
+def test_checkpointer_async_save_survives_deleted_buffers(tmp_path, state):
+    # The loop donates the state to the next step right after saving.
+    copy = jax.tree_util.tree_map(jnp.copy, state)
+    with Checkpointer(tmp_path) as ckpt:
+        assert ckpt.save(7, copy, wait=False)
+        for leaf in jax.tree_util.tree_leaves(copy):
+            leaf.delete()
+        ckpt.wait_until_finished()
+        _assert_identical(ckpt.restore(_fresh_state()), state)
+
+
+@pytest.mark.parametrize(
+    "how", ["data_deleted", "data_garbage", "manifest_truncated", "metadata_garbage"]
+)
+def test_checkpointer_damaged_latest_falls_back(tmp_path, state, how, caplog):
+    older = _trained_state(seed=2)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, older)
+        ckpt.save(2, state)
+    _damage(tmp_path / "2", how)
+    with Checkpointer(tmp_path) as ckpt, caplog.at_level(logging.WARNING, "jamp.checkpoint"):
+        assert ckpt.latest_step() == 2
+        restored = ckpt.restore(_fresh_state())
+        with pytest.raises(CheckpointError, match="^checkpoint at step 2 .* cannot be read"):
+            ckpt.restore(_fresh_state(), step=2)  # an explicit step is never substituted
+    _assert_identical(restored, older)
+    assert "step 2" in caplog.text and "trying the previous one" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]  # nothing deleted
+
+
+def test_checkpointer_all_damaged_raises_one_line(tmp_path, state):
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state)
+        ckpt.save(2, state)
+    _damage(tmp_path / "1", "data_deleted")
+    _damage(tmp_path / "2", "manifest_truncated")
+    with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(CheckpointError) as info:
+            ckpt.restore(_fresh_state())
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"none of the 2 checkpoints in {tmp_path} can be read")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+
+
+@pytest.mark.parametrize(
+    "target, expected",
+    [
+        (
+            lambda: _fresh_state(features=6),
+            "params/BatchNorm_0/bias has shape (5,) in the checkpoint and (6,) here "
+            "(and 13 more differences)",
+        ),
+        (
+            lambda: _fresh_state(loss_scale=NoOpLossScale()),
+            "loss_scale/counter is in the checkpoint but not in this model's state "
+            "(and 2 more differences)",
+        ),
+        (
+            lambda: _fresh_state(param_dtype=jnp.bfloat16),
+            "params/BatchNorm_0/bias has dtype float32 in the checkpoint and bfloat16 here "
+            "(and 11 more differences)",
+        ),
+    ],
+    ids=["shape", "structure", "dtype"],
+)
+def test_checkpointer_foreign_checkpoint_raises_one_line(tmp_path, state, target, expected):
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(7, state)
+        with pytest.raises(CheckpointError) as info:
+            ckpt.restore(target())
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"checkpoint at step 7 in {tmp_path} does not match this model: ")
+    assert expected in message
+    assert message.endswith("; use another --workdir or the original config")
+    assert os.listdir(tmp_path) == ["7"]
+
+
+def test_checkpointer_failed_save_keeps_previous_latest(tmp_path, state, monkeypatch):
+    older = _trained_state(seed=2)
+    ckpt = Checkpointer(tmp_path, max_to_keep=1)
+    ckpt.save(1, older)
+
+    async def fail(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(ocp.type_handlers.ArrayHandler, "serialize", fail)
+    with pytest.raises(CheckpointError) as info:
+        ckpt.save(2, state)
+    assert str(info.value) == (
+        f"saving step 2 to {tmp_path} failed (OSError: No space left on device); "
+        "step 1 is still the latest"
+    )
+    assert ckpt.latest_step() == 1
+    _assert_identical(ckpt.restore(_fresh_state()), older)
+    monkeypatch.undo()
+    assert ckpt.save(2, state)  # the next try succeeds and only then retires step 1
+    assert ckpt.all_steps() == [2]
+    ckpt.close()
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_checkpointer_save_killed_before_commit(tmp_path, state, monkeypatch, wait):
+    from orbax.checkpoint._src.path import atomicity  # where Orbax renames tmp -> final
+
+    older = _trained_state(seed=2)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, older)
+
+        async def killed(*args, **kwargs):
+            raise OSError("killed")
+
+        monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", killed)
+        if wait:
+            with pytest.raises(CheckpointError, match="step 1 is still the latest$"):
+                ckpt.save(2, state)
+        else:  # the background write fails; the next call that waits says so
+            assert ckpt.save(2, state, wait=False)
+            with pytest.raises(CheckpointError) as info:
+                ckpt.save(3, state)
+            assert str(info.value) == (
+                f"saving a checkpoint to {tmp_path} failed (OSError: killed); "
+                "step 1 is still the latest"
+            )
+    assert (tmp_path / "2.orbax-checkpoint-tmp").is_dir()  # fully written, never committed
+    monkeypatch.undo()
+    with Checkpointer(tmp_path) as ckpt:  # the next run
+        assert ckpt.all_steps() == [1]
+        _assert_identical(ckpt.restore(_fresh_state()), older)
+        assert ckpt.save(2, state)  # replaces the leftover tmp directory
+        assert ckpt.all_steps() == [1, 2]
+        _assert_identical(ckpt.restore(_fresh_state()), state)
+
+
+def test_checkpointer_ignores_partial_tmp_directory(tmp_path, state):
+    # What a process killed in the middle of writing step 3 leaves behind.
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(2, state)
+    partial = tmp_path / "3.orbax-checkpoint-tmp"
+    shutil.copytree(tmp_path / "2", partial)
+    _damage(partial, "data_deleted")
+    with Checkpointer(tmp_path) as ckpt:
+        assert ckpt.latest_step() == 2
+        _assert_identical(ckpt.restore(_fresh_state()), state)
