@@ -1,0 +1,73 @@
+"""The offline default dataset: scikit-learn's handwritten digits as a real tfds dataset.
+
+scikit-learn ships the 1,797 8x8 digits (UCI "optdigits" test set, pixel counts 0..16) inside its
+wheel, so this dataset builds without any network. It is an ordinary `GeneratorBasedBuilder`
+written in `array_record`, so that it is read through exactly the same `tfds` random-access path as
+MNIST or CIFAR-10; only *preparing* it needs TensorFlow (tfds encodes the PNGs with it).
+"""
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+NAME = "jamp_digits"
+NUM_TEST_PER_CLASS = 30  # 300 test examples, 30 of each digit; the other 1,497 train
+_SPLIT_SEED = 20240607  # fixed forever: changing it changes the dataset (bump VERSION then)
+
+
+def _load_images_and_labels() -> tuple[np.ndarray, np.ndarray]:
+    """All 1,797 digits as uint8 (N, 8, 8, 1) images scaled 0..16 -> 0..255, and int labels."""
+    from sklearn.datasets import load_digits  # only preparing needs scikit-learn
+
+    digits = load_digits()
+    counts = digits.images.astype(np.float64)  # (N, 8, 8), integers 0..16
+    images = np.rint(counts * (255.0 / 16.0)).astype(np.uint8)[..., None]
+    return images, digits.target.astype(np.int64)
+
+
+def split_indices(labels: np.ndarray) -> dict[str, np.ndarray]:
+    """A stratified, seeded train/test split: `NUM_TEST_PER_CLASS` of every class go to test."""
+    rng = np.random.default_rng(_SPLIT_SEED)
+    test = []
+    for cls in range(10):
+        members = np.flatnonzero(labels == cls)
+        test.append(rng.permutation(members)[:NUM_TEST_PER_CLASS])
+    test = np.sort(np.concatenate(test))
+    train = np.setdiff1d(np.arange(len(labels)), test)
+    return {"train": train, "test": test}
+
+
+class Digits(tfds.core.GeneratorBasedBuilder):
+    """scikit-learn's 8x8 handwritten digits, split 1,497 train / 300 test (stratified)."""
+
+    name = NAME
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES = {"1.0.0": "First release: 8x8x1 uint8 images, 10 classes, train and test."}
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description=(
+                "Handwritten digits (UCI optdigits) as shipped inside scikit-learn, pixel "
+                "counts 0..16 scaled to 0..255."
+            ),
+            features=tfds.features.FeaturesDict(
+                {
+                    "image": tfds.features.Image(shape=(8, 8, 1), dtype=np.uint8),
+                    "label": tfds.features.ClassLabel(num_classes=10),
+                }
+            ),
+            supervised_keys=("image", "label"),
+            homepage="https://scikit-learn.org/stable/datasets/toy_dataset.html",
+        )
+
+    def _split_generators(self, dl_manager):
+        del dl_manager  # nothing to download: the data is inside scikit-learn
+        images, labels = _load_images_and_labels()
+        return {
+            split: self._generate_examples(images, labels, indices)
+            for split, indices in split_indices(labels).items()
+        }
+
+    def _generate_examples(self, images, labels, indices):
+        for i in indices:  # the key is the index in scikit-learn's array: stable and unique
+            yield int(i), {"image": images[i], "label": int(labels[i])}
