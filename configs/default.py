@@ -1,0 +1,66 @@
+"""The default recipe: the seed document's small CNN on real handwritten digits, in fp16.
+
+The digits are the 1797 8x8 images that ship inside scikit-learn, prepared once as a tfds dataset
+on the local disk, so this recipe needs no download. Every other recipe overrides this file.
+
+  python -m jamp.train                                       # this recipe, a fresh ./runs/ workdir
+  python -m jamp.train --config=configs/default.py:smoke     # a few steps, for tests
+  python -m jamp.train --config.policy=mixed_bfloat16 --workdir=/tmp/digits_bf16
+"""
+
+import ml_collections
+
+
+def get_config(variant: str = "") -> ml_collections.ConfigDict:
+    """Returns the recipe; ``variant="smoke"`` gives a tiny run of the same recipe."""
+    c = ml_collections.ConfigDict()
+    c.model = "seed_cnn"
+    c.model_config = ml_collections.ConfigDict()  # keyword arguments of the model's constructor
+    c.dataset = "digits"
+    c.data_dir = ""  # empty: tfds's default (~/tensorflow_datasets or $TFDS_DATA_DIR)
+    c.seq_len = 128  # token datasets only
+    c.download = True  # let tfds download a missing dataset (needs a network)
+
+    c.policy = "mixed_float16"
+    c.loss_scale = "auto"  # auto (dynamic for fp16, none otherwise) | dynamic | static | none
+    c.loss_scale_params = ml_collections.ConfigDict(
+        {
+            "initial": 2.0**16,  # also the value of a static scale
+            "growth_interval": 2000,
+            "growth_factor": 2.0,
+            "backoff_factor": 0.5,
+            "hysteresis": 1,
+            "min_scale": 1.0,
+            "max_scale": 2.0**24,
+        }
+    )
+
+    c.batch_size = 64  # global, over all local devices
+    c.num_train_steps = 1000
+    c.optimizer = "adam"
+    c.learning_rate = 1e-3
+    c.schedule = "constant"
+    c.warmup_steps = 0
+    c.weight_decay = 0.0
+    c.momentum = 0.9
+    c.max_grad_norm = 0.0  # 0: no clipping
+    c.accumulation_steps = 1
+
+    c.log_every_steps = 50
+    c.eval_every_steps = 250
+    c.checkpoint_every_steps = 500
+    c.max_checkpoints_to_keep = 3
+    c.seed = 0
+    return _variant(c, variant)
+
+
+def _variant(c: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
+    if variant in ("", None):
+        return c
+    if variant != "smoke":
+        raise ValueError(f"unknown config variant {variant!r}; accepted: '' or 'smoke'")
+    c.num_train_steps = 12
+    c.log_every_steps = 4
+    c.eval_every_steps = 6
+    c.checkpoint_every_steps = 6
+    return c

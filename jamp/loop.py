@@ -1,0 +1,362 @@
+"""`train_and_evaluate(config, workdir)`: the training program, wired from the library's parts.
+
+The ml_collections config is converted once, at the top, into the small dataclasses each part owns
+(`RunConfig` here, `jamp.data.DataConfig`, `jamp.optim.OptimConfig`); nothing below sees the
+ConfigDict. Every check that can fail on user input runs before the workdir is touched, and a
+checkpoint is restored before anything is written into the workdir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import pathlib
+import signal
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jmp
+import ml_collections
+import numpy as np
+
+from jamp import data as data_lib
+from jamp import parallel, tasks
+from jamp.checkpoint import Checkpointer
+from jamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from jamp.metrics import MetricWriter, mean_metrics, peak_memory_mib, summary_table
+from jamp.models import get_model, model_task
+from jamp.optim import OptimConfig, make_optimizer
+from jamp.precision import describe, get_policy
+from jamp.state import TrainState
+from jamp.step import make_eval_step, make_train_step
+from jamp.wrap import wrap
+
+LOSS_SCALES = ("auto", "dynamic", "static", "none")
+
+
+class ConfigError(ValueError):
+    """A config value the program cannot run with; its message is one line for the user."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """The loop's own settings, taken from the config."""
+
+    model: str
+    model_config: dict
+    batch_size: int
+    policy: jmp.Policy
+    loss_scale: Any
+    num_train_steps: int
+    accumulation_steps: int
+    max_grad_norm: float | None
+    log_every_steps: int
+    eval_every_steps: int
+    checkpoint_every_steps: int
+    max_checkpoints_to_keep: int
+    seed: int
+
+
+def _make_loss_scale(kind: str, p: ml_collections.ConfigDict, policy: jmp.Policy):
+    if kind not in LOSS_SCALES:
+        raise ConfigError(f"unknown loss_scale {kind!r}; accepted: {', '.join(LOSS_SCALES)}")
+    if kind == "auto":
+        kind = "dynamic" if np.dtype(policy.compute_dtype) == np.float16 else "none"
+    if kind == "none":
+        return NoOpLossScale()
+    if kind == "static":
+        return StaticLossScale(float(p.initial))
+    return DynamicLossScale(
+        float(p.initial),
+        growth_interval=int(p.growth_interval),
+        growth_factor=float(p.growth_factor),
+        backoff_factor=float(p.backoff_factor),
+        hysteresis=int(p.hysteresis),
+        min_loss_scale=float(p.min_scale),
+        max_loss_scale=float(p.max_scale),
+    )
+
+
+def _positive(config, *names):
+    for name in names:
+        value = config[name]
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def parse_config(config: ml_collections.ConfigDict):
+    """Validates `config` and splits it into (RunConfig, DataConfig, OptimConfig).
+
+    Raises:
+      ConfigError: with a one-line message naming the bad field and what is accepted.
+    """
+    _positive(config, "batch_size", "num_train_steps", "accumulation_steps", "log_every_steps")
+    _positive(config, "eval_every_steps", "checkpoint_every_steps", "max_checkpoints_to_keep")
+    try:
+        policy = get_policy(config.policy)
+        loss_scale = _make_loss_scale(config.loss_scale, config.loss_scale_params, policy)
+        task = model_task(config.model)
+        optim = OptimConfig(
+            optimizer=config.optimizer,
+            learning_rate=float(config.learning_rate),
+            schedule=config.schedule,
+            warmup_steps=int(config.warmup_steps),
+            num_train_steps=int(config.num_train_steps),
+            weight_decay=float(config.weight_decay),
+            momentum=float(config.momentum),
+        )
+        data = data_lib.DataConfig(
+            dataset=config.dataset,
+            batch_size=int(config.batch_size),
+            data_dir=config.data_dir or None,
+            seq_len=int(config.seq_len),
+            seed=int(config.seed),
+            download=bool(config.download),
+            **_synthetic_fields(config),
+        )
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    if config.max_grad_norm < 0:
+        raise ConfigError(
+            f"max_grad_norm must be >= 0 (0: no clipping), got {config.max_grad_norm}"
+        )
+    run = RunConfig(
+        model=config.model,
+        model_config=config.model_config.to_dict(),
+        batch_size=config.batch_size,
+        policy=policy,
+        loss_scale=loss_scale,
+        num_train_steps=config.num_train_steps,
+        accumulation_steps=config.accumulation_steps,
+        max_grad_norm=float(config.max_grad_norm) or None,
+        log_every_steps=config.log_every_steps,
+        eval_every_steps=config.eval_every_steps,
+        checkpoint_every_steps=config.checkpoint_every_steps,
+        max_checkpoints_to_keep=config.max_checkpoints_to_keep,
+        seed=int(config.seed),
+    )
+    return run, data, optim, task
+
+
+def _synthetic_fields(config) -> dict:
+    # Only the synthetic recipes carry these fields.
+    fields = {}
+    for name in ("image_shape", "num_classes", "vocab_size"):
+        if name in config:
+            value = config[name]
+            fields[name] = tuple(value) if isinstance(value, (list, tuple)) else value
+    return fields
+
+
+def resolve_workdir(workdir: str | None) -> pathlib.Path:
+    """The workdir to use (a fresh one under ./runs/ when None), checked without creating it."""
+    if not workdir:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        workdir = pathlib.Path("runs") / stamp
+        print(f"workdir: {workdir.resolve()}", flush=True)
+    path = pathlib.Path(workdir).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"workdir {path} is not writable: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"workdir {path} is not writable: no write permission on {existing}")
+    return path
+
+
+def prepare_workdir(path: pathlib.Path) -> pathlib.Path:
+    """Creates the workdir and checks that a file can be written in it."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".jamp_write_probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"workdir {path} is not writable: {e.strerror or e}") from None
+    return path
+
+
+def _init_state(model, tx, loss_scale, info, seed) -> TrainState:
+    dtype = jnp.int32 if info.task == "lm" else jnp.float32
+    dummy = jnp.zeros((1, *info.input_shape), dtype)
+    variables = dict(model.init(jax.random.key(seed), dummy, train=False))
+    params = variables.pop("params")
+    return TrainState.create(params, tx, model_state=variables, loss_scale=loss_scale)
+
+
+class _StopFlag:
+    """Turns SIGTERM and Ctrl-C into a request to save and stop after the current step."""
+
+    def __init__(self):
+        self.signal = None
+        self._saved = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._saved[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        del frame
+        self.signal = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+
+
+def evaluate(p_eval_step, state, dataset, task) -> dict:
+    """One pass over the eval split; returns accuracy (and loss / perplexity for lm)."""
+    totals = None
+    for batch in dataset.eval_batches():
+        sums = parallel.unreplicate(p_eval_step(state, parallel.shard(batch)))
+        sums = jax.device_get(sums)
+        totals = sums if totals is None else jax.tree.map(np.add, totals, sums)
+    return tasks.summarize_eval(task, totals)
+
+
+def _progress(total, initial):
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=0.5)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -> dict:
+    """Trains and evaluates the model `config` describes; returns the summary it prints.
+
+    Resumes from the latest checkpoint in `workdir/checkpoints` if there is one. Raises
+    `ConfigError`, `jamp.data.DataError` or `jamp.checkpoint.CheckpointError` (one-line messages)
+    for problems with the user's input, before writing anything into the workdir.
+    """
+    t_begin = time.perf_counter()
+    run, data_cfg, optim_cfg, task = parse_config(config)
+    workdir = resolve_workdir(workdir)
+    dataset = data_lib.get_dataset(data_cfg, jax.local_device_count())
+    if dataset.info.task != task:
+        raise ConfigError(
+            f"model {run.model!r} trains on {task} data but dataset {data_cfg.dataset!r} is "
+            f"{dataset.info.task} data"
+        )
+    try:
+        model = wrap(get_model(run.model, dataset.info.num_classes, **run.model_config), run.policy)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    workdir = prepare_workdir(workdir)
+    tx, schedule = make_optimizer(optim_cfg)
+    state = _init_state(model, tx, run.loss_scale, dataset.info, run.seed)
+    with Checkpointer(workdir / "checkpoints", max_to_keep=run.max_checkpoints_to_keep) as ckpt:
+        if ckpt.latest_step() is not None:
+            state = ckpt.restore(state)  # CheckpointError if it belongs to another config
+        start = int(state.step)
+        with MetricWriter(workdir, purge_step=start) as writer, _StopFlag() as stop:
+            writer.write_config(config.to_dict())
+            summary = _train(
+                run, task, model, tx, schedule, state, start, dataset, ckpt, writer, stop, t_begin
+            )
+    summary["workdir"] = str(workdir)
+    print(summary_table(summary), flush=True)
+    return summary
+
+
+def _train(
+    run, task, model, tx, schedule, state, start, dataset, checkpointer, writer, stop, t_begin
+):
+    train_step = make_train_step(
+        tasks.make_loss_fn(model, task),
+        tx,
+        axis_name=parallel.AXIS_NAME,
+        accumulation_steps=run.accumulation_steps,
+        max_grad_norm=run.max_grad_norm,
+    )
+    p_train_step = parallel.make_p_train_step(train_step)
+    p_eval_step = parallel.make_p_eval_step(
+        make_eval_step(tasks.make_eval_fn(model, task), axis_name=parallel.AXIS_NAME)
+    )
+    rng = jax.random.key(run.seed)
+    state = parallel.replicate(state)
+    batches = dataset.train_batches(start_step=start)
+    bar = _progress(run.num_train_steps, start)
+    pending, window_start, wait, eval_metrics = [], None, 0.0, {}
+    steps_timed, time_timed = 0, 0.0
+    step = start
+    while step < run.num_train_steps and stop.signal is None:
+        t0 = time.perf_counter()
+        batch = next(batches)
+        wait += time.perf_counter() - t0
+        state, metrics = p_train_step(state, parallel.shard(batch), rng)
+        pending.append(metrics)
+        step += 1
+        if bar is not None:
+            bar.update(1)
+        if step == start + 1:  # the first step compiles: keep it out of the throughput
+            jax.block_until_ready(metrics)
+            window_start, wait, pending = time.perf_counter(), 0.0, []
+            continue
+        if step % run.log_every_steps == 0 or step == run.num_train_steps:
+            record = mean_metrics([parallel.unreplicate(m) for m in jax.device_get(pending)])
+            elapsed = time.perf_counter() - window_start
+            record["examples_per_sec"] = len(pending) * run.batch_size / elapsed
+            record["data_wait_fraction"] = wait / elapsed
+            record["learning_rate"] = float(schedule(step - record.get("skipped_steps", 0)))
+            writer.write(step, record, kind="train")
+            steps_timed, time_timed = steps_timed + len(pending), time_timed + elapsed
+            _show(bar, step, record)
+            pending, window_start, wait = [], time.perf_counter(), 0.0
+        hook_start = time.perf_counter()
+        if step % run.eval_every_steps == 0 and step < run.num_train_steps:
+            eval_metrics = evaluate(p_eval_step, state, dataset, task)
+            writer.write(step, eval_metrics, kind="eval")
+        if step % run.checkpoint_every_steps == 0:
+            checkpointer.save(step, parallel.unreplicate(state))
+        window_start += time.perf_counter() - hook_start  # hooks are not training throughput
+    if bar is not None:
+        bar.close()
+    final = parallel.unreplicate(state)
+    if checkpointer.latest_step() != step:
+        checkpointer.save(step, final)
+    if stop.signal is None:
+        eval_metrics = evaluate(p_eval_step, state, dataset, task)
+        writer.write(step, eval_metrics, kind="eval")
+    else:
+        print(
+            f"stopped by {stop.signal} at step {step}; checkpoint saved, run again with the "
+            "same --workdir to resume",
+            flush=True,
+        )
+    return _summary(run, task, final, step, eval_metrics, steps_timed, time_timed, dataset, t_begin)
+
+
+def _show(bar, step, record):
+    text = (
+        f"loss {record['loss']:.4f}  scale {record['loss_scale']:.0f}  "
+        f"{record['examples_per_sec']:.0f} ex/s"
+    )
+    if bar is not None:
+        bar.set_postfix_str(text)
+    else:
+        print(f"step {step}  {text}", flush=True)
+
+
+def _summary(run, task, state, step, eval_metrics, steps_timed, time_timed, dataset, t_begin):
+    metric = "perplexity" if task == "lm" else "accuracy"
+    memory = peak_memory_mib()
+    return {
+        "policy": describe(run.policy),
+        "loss scale": type(run.loss_scale).__name__,
+        "steps": step,
+        "skipped steps": int(state.skipped_steps),
+        "final loss scale": float(state.loss_scale.loss_scale),
+        f"eval {metric}": eval_metrics.get(metric),
+        "throughput (examples/s)": (
+            round(steps_timed * run.batch_size / time_timed, 1) if time_timed else None
+        ),
+        "wall time (s)": round(time.perf_counter() - t_begin, 1),
+        "peak memory (MiB)": memory,
+    }

@@ -1,0 +1,78 @@
+"""Loss and evaluation functions for the training program's two tasks.
+
+* ``classification``: batches ``{"image": f32[B,H,W,C], "label": i32[B]}``; softmax cross-entropy.
+* ``lm``: batches ``{"tokens": i32[B, L+1]}``; next-token cross-entropy on ``tokens[:, 1:]``.
+
+Eval functions return per-device *sums* over the real (unmasked) examples, so that the host can
+divide totals by totals whatever the padding of the last batch.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import optax
+
+TASKS = ("classification", "lm")
+
+
+def _apply(model, params, model_state, inputs, train, rng=None):
+    variables = {"params": params, **model_state}
+    rngs = {"dropout": rng} if rng is not None else None
+    if train and model_state:
+        return model.apply(variables, inputs, train=True, rngs=rngs, mutable=list(model_state))
+    return model.apply(variables, inputs, train=train, rngs=rngs), model_state
+
+
+def _inputs_targets(task, batch):
+    if task == "lm":
+        return batch["tokens"][:, :-1], batch["tokens"][:, 1:]
+    return batch["image"], batch["label"]
+
+
+def make_loss_fn(model, task: str):
+    """`loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, metrics))`."""
+
+    def loss_fn(params, model_state, batch, rng):
+        inputs, targets = _inputs_targets(task, batch)
+        logits, new_model_state = _apply(model, params, model_state, inputs, True, rng)
+        # Cross-entropy on fp32 logits: its log-softmax is where 16-bit loses the tail first.
+        logits = logits.astype(jnp.float32)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        accuracy = jnp.mean(logits.argmax(-1) == targets)
+        return loss, (new_model_state, {"accuracy": accuracy})
+
+    return loss_fn
+
+
+def make_eval_fn(model, task: str):
+    """`eval_fn(params, model_state, batch) -> sums` over the examples whose mask is 1."""
+
+    def eval_fn(params, model_state, batch):
+        inputs, targets = _inputs_targets(task, batch)
+        logits, _ = _apply(model, params, model_state, inputs, False)
+        logits = logits.astype(jnp.float32)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        correct = (logits.argmax(-1) == targets).astype(jnp.float32)
+        mask = batch["mask"].astype(jnp.float32)
+        if task == "lm":  # every token of a real sequence counts
+            mask = jnp.broadcast_to(mask[:, None], targets.shape)
+        return {
+            "loss_sum": jnp.sum(losses * mask),
+            "correct_sum": jnp.sum(correct * mask),
+            "count": jnp.sum(mask),
+        }
+
+    return eval_fn
+
+
+def summarize_eval(task: str, totals: dict) -> dict:
+    """Turns summed eval metrics into accuracy (classification) or loss and perplexity (lm)."""
+    count = max(float(totals["count"]), 1.0)
+    loss = float(totals["loss_sum"]) / count
+    if task == "lm":
+        return {
+            "loss": loss,
+            "perplexity": float(jnp.exp(loss)),
+            "accuracy": float(totals["correct_sum"]) / count,
+        }
+    return {"loss": loss, "accuracy": float(totals["correct_sum"]) / count}

@@ -1,0 +1,102 @@
+"""The training program: ``python -m jamp.train [--config=configs/<recipe>.py[:smoke]] [--workdir=DIR]``.
+
+Every config field can be overridden on the command line, e.g. ``--config.policy=mixed_bfloat16``
+or ``--config.loss_scale_params.growth_interval=500``. With no flags it runs
+``configs/default.py`` (the seed CNN on offline digits, fp16 with a dynamic loss scale) in a fresh
+directory under ``./runs/``. Mistakes in the command line or config end the program with one line
+on stderr and exit status 2; nothing in the workdir is changed.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.py"
+EXIT_USAGE = 2
+
+
+def _define_flags():
+    """Defines --config and --workdir. ml_collections loads the recipe and checks the
+    --config.<field> overrides in sys.argv right here, so errors can surface at definition time."""
+    config = config_flags.DEFINE_config_file(
+        "config",
+        str(DEFAULT_CONFIG),
+        "Recipe file (configs/<name>.py, ':smoke' for a tiny run).",
+        lock_config=True,
+    )
+    workdir = flags.DEFINE_string(
+        "workdir", None, "Where checkpoints and metrics go; rerun with the same one to resume."
+    )
+    return config, workdir
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_USAGE)
+
+
+def _one_line(e: Exception, last: bool = False) -> str:
+    """The first (or last) non-empty line of an exception's message."""
+    text = str(e)
+    if isinstance(e, (KeyError, AttributeError)):  # their str() adds layers of quotes
+        text = text.strip("\"' ")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    return lines[-1] if last else lines[0]
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """Parses flags; a bad flag or config file is one line, not absl's usage dump."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        _fail(_one_line(e))
+    except Exception as e:  # a recipe that fails to load or a bad override value
+        # ml_collections puts the reason a recipe failed to load (e.g. no such file) last.
+        _fail(f"cannot load the config: {_one_line(e, last='Failed loading' in str(e))}")
+
+
+def main(argv: list[str], config, workdir) -> None:
+    if len(argv) > 1:
+        _fail(f"unexpected arguments {argv[1:]}; pass settings as --config.<field>=<value>")
+    # Orbax and tfds log every save and read at INFO; the progress bar and metrics say enough.
+    logging.set_verbosity(logging.WARNING)
+    # tfds suggests installing OpenCV on every run that decodes images; PIL is fast enough here.
+    logging.get_absl_handler().addFilter(lambda r: "OpenCV is not installed" not in r.getMessage())
+    # TensorFlow is only used to prepare datasets; its C++ start-up banners are noise here.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+    # Imported here so that flag errors do not pay for importing JAX and TensorFlow.
+    from jamp import loop
+    from jamp.checkpoint import CheckpointError
+    from jamp.data import DataError
+
+    try:
+        resolved = config.value.to_dict() and config.value  # loads the recipe file now
+    except Exception as e:  # ml_collections defers a missing or broken recipe to first use
+        _fail(f"cannot load the config file: {_one_line(e, last=True)}")
+    try:
+        loop.train_and_evaluate(resolved, workdir.value)
+    except (loop.ConfigError, DataError, CheckpointError) as e:
+        _fail(str(e))
+
+
+def run() -> None:
+    try:
+        config, workdir = _define_flags()
+    except (KeyError, AttributeError) as e:  # ml_collections' way of saying "no such field"
+        _fail(f"unknown config field {_one_line(e)}; see the recipe file for the fields it has")
+    except Exception as e:
+        _fail(f"cannot load the config: {_one_line(e)}")
+    app.run(functools.partial(main, config=config, workdir=workdir), flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+    run()

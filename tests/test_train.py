@@ -1,0 +1,205 @@
+"""End-to-end tests of `python -m jamp.train`: the real CLI, in a subprocess, offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RECIPES = ["cifar10_cnn", "mnist", "fashion_mnist", "cifar10_resnet", "lm_tiny_shakespeare"]
+TRAIN_KEYS = {
+    "step",
+    "loss",
+    "loss_scale",
+    "skipped_steps",
+    "grad_norm",
+    "learning_rate",
+    "examples_per_sec",
+}
+
+# Runs the CLI on tfds's mock data (through jamp.data.testing), so the tfds recipes run offline. sys.argv must be set before
+# jamp.train is imported: ml_collections registers the --config.<field> overrides from it.
+MOCKED = """
+import sys
+from jamp.data.testing import mock_tfds
+sys.argv = ["jamp.train"] + sys.argv[1:]
+with mock_tfds(num_examples=48):
+    from jamp import train
+    train.run()
+"""
+
+
+def _env(devices: int = 2) -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    return env
+
+
+def _cli(args, *, mocked=False, devices=2, timeout=600, check=True):
+    cmd = [sys.executable, "-c", MOCKED] if mocked else [sys.executable, "-m", "jamp.train"]
+    out = subprocess.run(
+        cmd + list(args),
+        cwd=ROOT,
+        env=_env(devices),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check:
+        assert out.returncode == 0, out.stderr[-4000:]
+    return out
+
+
+def _records(workdir: pathlib.Path, kind: str):
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tfds")
+
+
+def _smoke(recipe, workdir, data_dir, *extra, **kwargs):
+    return _cli(
+        [
+            f"--config=configs/{recipe}.py:smoke",
+            f"--workdir={workdir}",
+            f"--config.data_dir={data_dir}",
+            *extra,
+        ],
+        **kwargs,
+    )
+
+
+def test_train_default_recipe_smoke_writes_metrics_config_checkpoints_and_summary(
+    tmp_path, data_dir
+):
+    workdir = tmp_path / "run"
+    out = _smoke("default", workdir, data_dir)
+    train = _records(workdir, "train")
+    assert train and all(TRAIN_KEYS <= set(r) for r in train)
+    assert [r["step"] for r in train][-1] == 12
+    evals = _records(workdir, "eval")
+    assert evals and 0.0 <= evals[-1]["accuracy"] <= 1.0
+    config = json.loads((workdir / "config.json").read_text())
+    assert config["policy"] == "mixed_float16" and config["dataset"] == "digits"
+    assert list(workdir.glob("events.out.tfevents*"))
+    assert (workdir / "checkpoints").is_dir()
+    for row in ("policy", "skipped steps", "final loss scale", "eval accuracy", "throughput"):
+        assert row in out.stdout
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_train_smoke_of_every_recipe_runs_on_mock_tfds_data(recipe, tmp_path):
+    workdir = tmp_path / recipe
+    _smoke(recipe, workdir, tmp_path / "tfds", mocked=True)
+    assert _records(workdir, "train")[-1]["step"] == 12
+    metric = "perplexity" if recipe.startswith("lm") else "accuracy"
+    assert metric in _records(workdir, "eval")[-1]
+
+
+def test_train_synthetic_recipe_and_policy_flag(tmp_path):
+    workdir = tmp_path / "synthetic"
+    _cli(
+        [
+            "--config=configs/synthetic.py:smoke",
+            f"--workdir={workdir}",
+            "--config.policy=mixed_bfloat16",
+        ]
+    )
+    assert _records(workdir, "train")[-1]["loss_scale"] == 1.0  # bf16: no loss scaling
+
+
+def test_train_resumes_where_it_stopped(tmp_path, data_dir):
+    workdir = tmp_path / "resume"
+    _smoke("default", workdir, data_dir, "--config.num_train_steps=6")
+    _smoke("default", workdir, data_dir)  # the same run, now to 12 steps
+    steps = [r["step"] for r in _records(workdir, "train")]
+    assert steps == sorted(steps) and steps[-1] == 12
+    assert steps.count(4) == 1  # steps 1-6 were not trained again
+
+
+def test_train_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, data_dir):
+    workdir = tmp_path / "sigterm"
+    cmd = [
+        sys.executable,
+        "-m",
+        "jamp.train",
+        f"--workdir={workdir}",
+        f"--config.data_dir={data_dir}",
+        "--config.num_train_steps=100000",
+        "--config.log_every_steps=5",
+        "--config.checkpoint_every_steps=100000",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.time() + 300
+        while not (workdir / "metrics.jsonl").exists() and time.time() < deadline:
+            time.sleep(0.5)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "stopped by SIGTERM" in stdout
+    assert "Traceback" not in stderr
+    steps = [int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()]
+    assert steps and max(steps) < 100000
+
+
+ERRORS = [
+    (["--config.policy=mixed_float12"], "mixed_float12"),
+    (["--config.dataset=imagenet_9000"], "imagenet_9000"),
+    (["--config.model=vgg99"], "vgg99"),
+    (["--config.no_such_field=1"], "no_such_field"),
+    (["--config.batch_size=10"], "batch_size"),
+    (["--config.loss_scale=sometimes"], "sometimes"),
+    (["--config.learning_rate=-1"], "learning_rate"),
+    (["--config=configs/no_such_recipe.py"], "no_such_recipe"),
+]
+
+
+@pytest.mark.parametrize("args,needle", ERRORS, ids=[e[1] for e in ERRORS])
+def test_train_bad_input_is_one_line_and_nonzero_exit(args, needle, tmp_path, data_dir):
+    workdir = tmp_path / "w"
+    out = _cli(
+        [*args, f"--workdir={workdir}", f"--config.data_dir={data_dir}"], devices=8, check=False
+    )
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, out.stderr[-3000:]
+    assert needle in lines[0] and "Traceback" not in out.stderr
+    assert not workdir.exists() or not any(workdir.iterdir())
+
+
+def test_train_unwritable_workdir_is_one_line(tmp_path, data_dir):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    out = _cli([f"--workdir={blocker / 'run'}", f"--config.data_dir={data_dir}"], check=False)
+    assert out.returncode != 0 and "not writable" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert blocker.read_text() == "not a directory"
+
+
+def test_train_checkpoint_of_another_model_is_refused_and_kept(tmp_path, data_dir):
+    workdir = tmp_path / "other"
+    _smoke("default", workdir, data_dir, "--config.num_train_steps=6")
+    before = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
+    out = _smoke("default", workdir, data_dir, "--config.model=resnet20", check=False)
+    assert out.returncode != 0
+    assert len(out.stderr.strip().splitlines()) == 1 and "checkpoint" in out.stderr
+    after = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
+    assert after == before
