@@ -38,6 +38,23 @@ def _shuffle_seed(seed: int) -> int:
     return int(np.random.SeedSequence(seed).generate_state(1)[0])
 
 
+# Training splits whose decoded examples fit in this many bytes are decoded once and served from
+# memory: decoding (e.g. PNG) on every read would make the step wait for data on small models.
+CACHE_BYTES = 2 << 30
+
+
+def _load_in_memory(source, keys) -> dict[str, np.ndarray] | None:
+    """The split's `keys` as stacked arrays, or None if it would exceed `CACHE_BYTES`."""
+    size = len(source)
+    if size == 0:
+        return None
+    first = source[0]
+    if size * sum(np.asarray(first[key]).nbytes for key in keys) > CACHE_BYTES:
+        return None
+    examples = [first] + [source[i] for i in range(1, size)]
+    return {key: np.stack([np.asarray(ex[key]) for ex in examples]) for key in keys}
+
+
 class Dataset:
     """A dataset cut into global batches of numpy arrays.
 
@@ -56,13 +73,29 @@ class Dataset:
         self._read_options = grain.ReadOptions(
             num_threads=min(prefetch, os.cpu_count() or 1), prefetch_buffer_size=prefetch
         )
+        self._cache = _load_in_memory(self._train, self._keys())
+
+    def _keys(self) -> tuple[str, ...]:
+        return ("tokens",) if self.info.task == "lm" else ("image", "label")
+
+    def _finish(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Stacked raw fields -> the batch the model sees (dtypes, normalisation)."""
+        if self.info.task == "lm":
+            return {"tokens": arrays["tokens"].astype(np.int32)}
+        return {
+            "image": normalize_images(arrays["image"]),
+            "label": arrays["label"].astype(np.int32),
+        }
+
+    def _gather(self, indices: Sequence[int]) -> dict[str, np.ndarray]:
+        """A batch from the in-memory training split: one vectorised gather per field."""
+        index = np.asarray(indices, dtype=np.int64)
+        return self._finish({key: value[index] for key, value in self._cache.items()})
 
     def _collate(self, examples: Sequence[dict[str, Any]]) -> dict[str, np.ndarray]:
-        if self.info.task == "lm":
-            return {"tokens": np.stack([ex["tokens"] for ex in examples]).astype(np.int32)}
-        images = np.stack([np.asarray(ex["image"]) for ex in examples])
-        labels = np.asarray([ex["label"] for ex in examples], dtype=np.int32)
-        return {"image": normalize_images(images), "label": labels}
+        return self._finish(
+            {key: np.stack([np.asarray(ex[key]) for ex in examples]) for key in self._keys()}
+        )
 
     def _collate_padded(self, examples: Sequence[dict[str, Any]]) -> dict[str, np.ndarray]:
         batch = self._collate(examples)
@@ -89,6 +122,8 @@ class Dataset:
         """
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
+        if self._cache is not None:
+            return self._cached_train_batches(start_step)
         batches = (
             grain.MapDataset.source(self._train)
             .shuffle(seed=self._seed)
@@ -96,6 +131,28 @@ class Dataset:
             .batch(self.batch_size, drop_remainder=True, batch_fn=self._collate)
         )
         return self._iterate(batches[start_step:])
+
+    def _cached_train_batches(self, start_step: int) -> Iterator[dict[str, np.ndarray]]:
+        """`train_batches` for an in-memory split: the same contract, vectorised in numpy.
+
+        A batch costs one index computation and one gather per field (tens of microseconds), so
+        it is made on demand: a prefetch thread would only contend with the training loop.
+        """
+        size, step, order = len(self._train), start_step, {}
+
+        def permutation(epoch):
+            if epoch not in order:
+                order.clear()  # epochs only move forward: keep one
+                rng = np.random.default_rng([self._seed, epoch])
+                order[epoch] = rng.permutation(size)
+            return order[epoch]
+
+        while True:
+            positions = np.arange(step * self.batch_size, (step + 1) * self.batch_size)
+            epochs, within = np.divmod(positions, size)
+            index = np.concatenate([permutation(e)[within[epochs == e]] for e in np.unique(epochs)])
+            yield self._gather(index)
+            step += 1
 
     def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
         """One pass over the eval split, in order, in full batches with a "mask" (1 real, 0 pad)."""

@@ -11,6 +11,7 @@ failed check or a failed download into a one-line `DataError`.
 """
 
 import socket
+import sys
 import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Sequence
@@ -79,6 +80,9 @@ def _prepare(builder, name: str, data_dir: str, download: bool, needs_network: b
                 f"{how_to_provide(name, data_dir)}"
             )
     config = tfds.download.DownloadConfig(try_download_gcs=needs_network)
+    # One line instead of tfds's per-split progress bars: this happens once per data_dir.
+    print(f"preparing dataset '{name}' in {data_dir} (once; later runs reuse it)", file=sys.stderr)
+    tfds.disable_progress_bar()
     try:
         builder.download_and_prepare(download_config=config)
     except ModuleNotFoundError as e:  # tfds encodes the examples with TensorFlow
