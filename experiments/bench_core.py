@@ -38,7 +38,7 @@ import numpy as np
 import optax
 from _timing import interleaved, ratio_stats
 
-from jamp.loss_scale import DynamicLossScale, NoOpLossScale
+from jamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jamp.models import SeedCNN, TransformerLM
 from jamp.state import TrainState
 from jamp.step import make_train_step
@@ -167,6 +167,10 @@ def variants(model, hand):
         "wrap_bf16": (wrap(model, "mixed_bfloat16"), NoOpLossScale),
         "wrap_f16": (wrap(model, "mixed_float16"), NoOpLossScale),
         "wrap_f16_dls": (wrap(model, "mixed_float16"), DynamicLossScale),
+        # Controls for (b): the same scale held static (fp16 values as large as under the dynamic
+        # scale, none of its logic), and the dynamic machinery on fp32 (its logic, fp32 values).
+        "wrap_f16_static": (wrap(model, "mixed_float16"), lambda: StaticLossScale(2.0**16)),
+        "fp32_dls": (model, DynamicLossScale),
     }
 
 
@@ -273,8 +277,9 @@ def model_table(name, info):
 def headline(results):
     rows = [
         "| model | (a) wrap_bf16 / hand_bf16 step (≤ 1.02) | (b) f16_dls / f16 step (≤ 1.03) "
-        "| (b) compile s dls / noop (ratio) | (b) temp MiB dls / noop |",
-        "|---|---|---|---|---|",
+        "| (b) compile s dls / noop (ratio) | (b) temp MiB dls / noop "
+        "| controls: f16_static / f16, fp32_dls / fp32 |",
+        "|---|---|---|---|---|---|",
     ]
     for name, info in results.items():
         a = ratio_stats(info["wrap_bf16"]["times"], info["hand_bf16"]["times"])
@@ -283,7 +288,9 @@ def headline(results):
         rows.append(
             f"| {name} | {fmt_ratio(a)} | {fmt_ratio(b)} "
             f"| {d['compile_s']:.2f} / {f['compile_s']:.2f} ({d['compile_s'] / f['compile_s']:.2f}) "
-            f"| {d['temp'] / 2**20:.1f} / {f['temp'] / 2**20:.1f} ({d['temp'] / f['temp']:.2f}) |"
+            f"| {d['temp'] / 2**20:.1f} / {f['temp'] / 2**20:.1f} ({d['temp'] / f['temp']:.2f}) "
+            f"| {fmt_ratio(ratio_stats(info['wrap_f16_static']['times'], f['times']))}, "
+            f"{fmt_ratio(ratio_stats(info['fp32_dls']['times'], info['fp32']['times']))} |"
         )
     return rows
 
