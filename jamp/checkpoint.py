@@ -11,6 +11,8 @@ step. What it adds to Orbax's `CheckpointManager`:
   multi-line tracebacks.
 * A damaged latest checkpoint (a file deleted, truncated or overwritten) is skipped with a logged
   warning and the one before it is restored; only when none can be read does `restore` fail.
+  With `set_aside_damaged=True` (the training program) the skipped ones are then renamed to
+  `<step>.corrupt/`, so that the resumed run can save those steps again.
 
 Saving is atomic on local disks: Orbax writes `<step>.orbax-checkpoint-tmp/` and renames it to
 `<step>/` only once everything is written, so a save that fails or is killed leaves a tmp directory
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 import jax
@@ -97,6 +100,33 @@ def _describe_mismatch(stored: dict, wanted: dict) -> str | None:
         return None
     more = f" (and {len(problems) - 1} more differences)" if len(problems) > 1 else ""
     return problems[0] + more
+
+
+def _ignore_stale_read_callbacks() -> None:
+    """Silences the callbacks a failed Orbax read leaves behind (process-wide, once).
+
+    When one array of a checkpoint cannot be read, Orbax's restore fails and closes its event
+    loop while tensorstore still finishes the other reads; each of them then calls back into the
+    closed loop, and Python prints a "RuntimeError: Event loop is closed" traceback for each (via
+    `sys.unraisablehook`), tens of them, long after the failure was handled. Only those are
+    dropped; every other unraisable exception goes to the previous hook.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "_jamp_stale_reads", False):
+        return
+
+    def hook(unraisable):
+        exc, tb = unraisable.exc_value, unraisable.exc_traceback
+        if not (
+            isinstance(exc, RuntimeError)
+            and str(exc) == "Event loop is closed"
+            and tb is not None
+            and tb.tb_frame.f_code.co_name == "call_soon_threadsafe"
+        ):
+            previous(unraisable)
+
+    hook._jamp_stale_reads = True
+    sys.unraisablehook = hook
 
 
 def _abstract(target: Any) -> Any:
@@ -209,7 +239,9 @@ class Checkpointer:
             self._recover()
             raise CheckpointError(self._save_failure("a checkpoint", e)) from e
 
-    def restore(self, target: TrainState, step: int | None = None) -> TrainState:
+    def restore(
+        self, target: TrainState, step: int | None = None, *, set_aside_damaged: bool = False
+    ) -> TrainState:
         """Returns the checkpointed state, with the structure, dtypes and placement of `target`.
 
         Args:
@@ -217,6 +249,9 @@ class Checkpointer:
                 unreplicated); its values are not used, and leaves may be `jax.ShapeDtypeStruct`s.
             step: which checkpoint; None means the latest readable one: a damaged newer one is
                 skipped with a logged warning. An explicit step is never substituted.
+            set_aside_damaged: once an older checkpoint has been restored, rename the damaged
+                newer ones `<step>/` -> `<step>.corrupt/` (kept, never deleted), so that the run
+                can save those steps again: Orbax never saves at or before its latest step.
 
         Raises:
             CheckpointError: no checkpoint exists, none can be read, the requested step is missing
@@ -235,10 +270,11 @@ class Checkpointer:
             steps = [int(step)]
         wanted = _leaf_specs(target)
         abstract = _abstract(target)
+        _ignore_stale_read_callbacks()  # a damaged checkpoint's reads call back after failing
         failures = []
         for candidate in reversed(steps):
             try:
-                return self._restore_step(candidate, abstract, wanted)
+                restored = self._restore_step(candidate, abstract, wanted)
             except CheckpointError:
                 raise
             except Exception as e:
@@ -250,6 +286,10 @@ class Checkpointer:
                     _first_line(e),
                     "; trying the previous one" if candidate != steps[0] else "",
                 )
+                continue
+            if set_aside_damaged and failures:
+                self._set_aside([s for s in steps if s > candidate])
+            return restored
         if step is not None:
             raise CheckpointError(
                 f"checkpoint at step {step} in {self.directory} cannot be read ({failures[0]})"
@@ -258,6 +298,28 @@ class Checkpointer:
             f"none of the {len(steps)} checkpoints in {self.directory} can be read "
             f"(step {steps[-1]}: {failures[0]})"
         )
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Renames the checkpoints at `steps` to `<step>.corrupt/`, which Orbax does not list."""
+        if jax.process_index() == 0:
+            for step in steps:
+                path = os.path.join(self.directory, str(step))
+                aside, n = f"{path}.corrupt", 1
+                while os.path.exists(aside):
+                    aside, n = f"{path}.corrupt{n}", n + 1
+                try:
+                    os.rename(path, aside)
+                except OSError as e:
+                    raise CheckpointError(
+                        f"checkpoint at step {step} in {self.directory} cannot be read nor moved "
+                        f"aside ({_first_line(e)}); move it out of the way and run again"
+                    ) from None
+                logger.warning("moved the unreadable checkpoint at step %d to %s", step, aside)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("jamp.checkpoint: damaged checkpoints set aside")
+        self._manager.reload()
 
     def _restore_step(self, step: int, abstract: Any, wanted: dict) -> TrainState:
         stored = self._manager.metadata(step).item_metadata

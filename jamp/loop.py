@@ -253,7 +253,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
     state = _init_state(model, tx, run.loss_scale, dataset.info, run.seed)
     with Checkpointer(workdir / "checkpoints", max_to_keep=run.max_checkpoints_to_keep) as ckpt:
         if ckpt.latest_step() is not None:
-            state = ckpt.restore(state)  # CheckpointError if it belongs to another config
+            # CheckpointError if it belongs to another config; damaged newer ones are set aside
+            state = ckpt.restore(state, set_aside_damaged=True)
+            print(f"resuming from the checkpoint at step {int(state.step)}", flush=True)
         start = int(state.step)
         with MetricWriter(workdir, purge_step=start) as writer, _StopFlag() as stop:
             writer.write_config(config.to_dict())
