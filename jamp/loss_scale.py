@@ -45,6 +45,19 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
 
+_FP32_MAX = float(np.finfo(np.float32).max)
+_FP32_TINY = float(np.finfo(np.float32).tiny)
+
+
+def _positive_finite_in_fp32(x: float) -> bool:
+    """True when `x` stays a positive, finite, normal number once stored as an fp32 scale.
+
+    A bound or scale past fp32's range becomes inf (or 0) on the device: the scale would then reach
+    inf (or 0) and never leave it, since inf * backoff_factor is inf and 0 * growth_factor is 0.
+    """
+    return _FP32_TINY <= x <= _FP32_MAX and _FP32_TINY <= float(np.float32(x)) <= _FP32_MAX
+
+
 def _as_f32(x: Any) -> Any:
     """Returns numbers and arrays as fp32 arrays; other objects pass through.
 
@@ -97,9 +110,10 @@ class StaticLossScale:
     loss_scale: jax.Array
 
     def __init__(self, loss_scale):
-        if _is_number(loss_scale) and not 0 < loss_scale < math.inf:
+        if _is_number(loss_scale) and not _positive_finite_in_fp32(loss_scale):
             raise ValueError(
-                f"StaticLossScale: loss_scale must be finite and > 0, got {loss_scale}"
+                "StaticLossScale: loss_scale must be > 0 and finite in fp32 (at most "
+                f"{_FP32_MAX:.4g}, at least {_FP32_TINY:.4g}), got {loss_scale}"
             )
         object.__setattr__(self, "loss_scale", _as_f32(loss_scale))
 
@@ -137,6 +151,12 @@ def _check_config(scale, growth_interval, growth_factor, backoff_factor, hystere
         raise bad(f"loss_scale must be a scalar, got shape {jnp.shape(scale)}")
     if not 0 < lo <= hi < math.inf:
         raise bad(f"need 0 < min_loss_scale <= max_loss_scale < inf, got {lo}, {hi}")
+    for name, value in (("min_loss_scale", lo), ("max_loss_scale", hi)):
+        if not _positive_finite_in_fp32(value):
+            raise bad(
+                f"{name} must be a normal fp32 number (between {_FP32_TINY:.4g} and "
+                f"{_FP32_MAX:.4g}), got {value}"
+            )
     try:
         value = float(scale)
     except jax.errors.ConcretizationTypeError:
