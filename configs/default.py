@@ -34,6 +34,12 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
             "max_scale": 2.0**24,
         }
     )
+    # Persistent overflow: this many steps in a row skipped for non-finite gradients while the loss
+    # scale cannot back off further (a dynamic scale at min_scale; a static or no scale always).
+    # Skipped steps leave the params as they were, so such a run will not recover on its own. 100
+    # rides out a short stretch of bad batches yet wastes little; it is checked at log points.
+    c.on_persistent_overflow = "stop"  # stop (exit status 3) | warn (a line on stderr, go on)
+    c.persistent_overflow_steps = 100
 
     c.batch_size = 64  # global, over all local devices
     c.num_train_steps = 1000

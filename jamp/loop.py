@@ -30,6 +30,7 @@ from jamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jamp.metrics import MetricWriter, mean_metrics, peak_memory_mib, summary_table
 from jamp.models import get_model, model_task
 from jamp.optim import OptimConfig, make_optimizer
+from jamp.overflow_watch import ON_PERSISTENT_OVERFLOW, OverflowWatch, TrainingDiverged, advice
 from jamp.precision import describe, get_policy
 from jamp.state import TrainState
 from jamp.step import make_eval_step, make_train_step
@@ -59,6 +60,8 @@ class RunConfig:
     checkpoint_every_steps: int
     max_checkpoints_to_keep: int
     seed: int
+    on_persistent_overflow: str
+    persistent_overflow_steps: int
 
 
 def _make_loss_scale(kind: str, p: ml_collections.ConfigDict, policy: jmp.Policy):
@@ -96,6 +99,12 @@ def parse_config(config: ml_collections.ConfigDict):
     """
     _positive(config, "batch_size", "num_train_steps", "accumulation_steps", "log_every_steps")
     _positive(config, "eval_every_steps", "checkpoint_every_steps", "max_checkpoints_to_keep")
+    _positive(config, "persistent_overflow_steps")
+    if config.on_persistent_overflow not in ON_PERSISTENT_OVERFLOW:
+        raise ConfigError(
+            f"unknown on_persistent_overflow {config.on_persistent_overflow!r}; accepted: "
+            f"{', '.join(ON_PERSISTENT_OVERFLOW)}"
+        )
     try:
         policy = get_policy(config.policy)
         loss_scale = _make_loss_scale(config.loss_scale, config.loss_scale_params, policy)
@@ -140,6 +149,8 @@ def parse_config(config: ml_collections.ConfigDict):
         checkpoint_every_steps=config.checkpoint_every_steps,
         max_checkpoints_to_keep=config.max_checkpoints_to_keep,
         seed=int(config.seed),
+        on_persistent_overflow=config.on_persistent_overflow,
+        persistent_overflow_steps=config.persistent_overflow_steps,
     )
     return run, data, optim, task
 
@@ -287,6 +298,7 @@ def _train(
     bar = _progress(run.num_train_steps, start)
     pending, window_start, wait, eval_metrics = [], None, 0.0, {}
     steps_timed, time_timed = 0, 0.0
+    overflow = OverflowWatch(run.loss_scale, run.persistent_overflow_steps)
     step = start
     while step < run.num_train_steps and stop.signal is None:
         t0 = time.perf_counter()
@@ -299,10 +311,12 @@ def _train(
             bar.update(1)
         if step == start + 1:  # the first step compiles: keep it out of the throughput
             jax.block_until_ready(metrics)
+            _watch_overflow(overflow, [parallel.unreplicate(metrics)], step, run, bar)
             window_start, wait, pending = time.perf_counter(), 0.0, []
             continue
         if step % run.log_every_steps == 0 or step == run.num_train_steps:
-            record = mean_metrics([parallel.unreplicate(m) for m in jax.device_get(pending)])
+            window = [parallel.unreplicate(m) for m in jax.device_get(pending)]
+            record = mean_metrics(window)
             elapsed = time.perf_counter() - window_start
             record["examples_per_sec"] = len(pending) * run.batch_size / elapsed
             record["data_wait_fraction"] = wait / elapsed
@@ -310,6 +324,7 @@ def _train(
             writer.write(step, record, kind="train")
             steps_timed, time_timed = steps_timed + len(pending), time_timed + elapsed
             _show(bar, step, record)
+            _watch_overflow(overflow, window, step, run, bar)
             pending, window_start, wait = [], time.perf_counter(), 0.0
         hook_start = time.perf_counter()
         if step % run.eval_every_steps == 0 and step < run.num_train_steps:
@@ -344,6 +359,23 @@ def _show(bar, step, record):
         bar.set_postfix_str(text)
     else:
         print(f"step {step}  {text}", flush=True)
+
+
+def _watch_overflow(watch, window, step, run, bar):
+    """Stops or warns when the last steps were all skipped with the loss scale at its floor."""
+    message = watch.update(window, step)
+    if message is None:
+        return
+    if run.on_persistent_overflow == "stop":
+        if bar is not None:
+            bar.close()
+        raise TrainingDiverged(f"training stopped at {message}; {advice()}")
+    if jax.process_index() == 0:  # every process sees the same averaged metrics
+        text = f"warning: {message}; continuing as on_persistent_overflow=warn asks; {advice()}"
+        if bar is not None:
+            bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
 
 
 def _summary(run, task, state, step, eval_metrics, steps_timed, time_timed, dataset, t_begin):

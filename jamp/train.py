@@ -4,7 +4,9 @@ Every config field can be overridden on the command line, e.g. ``--config.policy
 or ``--config.loss_scale_params.growth_interval=500``. With no flags it runs
 ``configs/default.py`` (the seed CNN on offline digits, fp16 with a dynamic loss scale) in a fresh
 directory under ``./runs/``. Mistakes in the command line or config end the program with one line
-on stderr and exit status 2; nothing in the workdir is changed.
+on stderr and exit status 2; nothing in the workdir is changed. A run whose steps keep being
+skipped for non-finite gradients at the smallest loss scale stops with one line and exit status 3
+(``--config.on_persistent_overflow=warn`` only warns).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ml_collections import config_flags
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.py"
 EXIT_USAGE = 2
+EXIT_DIVERGED = 3  # training stopped making progress (see configs/default.py)
 
 
 def _define_flags():
@@ -86,6 +89,9 @@ def main(argv: list[str], config, workdir) -> None:
         loop.train_and_evaluate(resolved, workdir.value)
     except (loop.ConfigError, DataError, CheckpointError) as e:
         _fail(str(e))
+    except loop.TrainingDiverged as e:  # not a usage mistake: its own exit status
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_DIVERGED)
 
 
 def run() -> None:

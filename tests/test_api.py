@@ -43,6 +43,7 @@ RANK = {
     "data": 4,
     "metrics": 4,
     "optim": 4,
+    "overflow_watch": 4,
     "tasks": 4,
     "loop": 5,
     "train": 6,

@@ -1,0 +1,89 @@
+"""Telling the training program's user that every step is being skipped, instead of skipping on.
+
+A skipped step changes nothing but the loss scale and the counters. While a dynamic loss scale can
+still back off, a run of skipped steps is the scale looking for a value that works; once it cannot
+back off any further, the next batch meets the same params, the same optimizer state and the same
+scale, and a run that keeps overflowing there will not recover on its own.
+
+**Persistent overflow** is `limit` consecutive skipped steps with the loss scale at its floor, the
+floor being `min_loss_scale` for a `DynamicLossScale` and the scale itself for a static or no-op
+scale (which never change, so each of their skipped steps counts). A dynamic scale's streak counts
+from the skipped step that brought it down to the floor; skips above the floor are not counted,
+and any finite step ends the streak.
+
+The watch reads only the per-step metrics (`grads_finite`, `loss_scale`, `skipped_steps`) the loop
+fetches at its log points anyway, so it never makes the host wait for the device. A streak is
+therefore noticed at the first log point at or after its `limit`-th step, and it is counted afresh
+after a resume.
+
+Example:
+  >>> watch = OverflowWatch(DynamicLossScale(min_loss_scale=1.0), limit=100)
+  >>> message = watch.update(fetched_window, step)  # at each log point; None while all is well
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from jamp.loss_scale import DynamicLossScale
+
+#: Accepted values of the `on_persistent_overflow` config field.
+ON_PERSISTENT_OVERFLOW = ("stop", "warn")
+
+
+class TrainingDiverged(RuntimeError):
+    """Training cannot make progress; the message is one line that says what to try."""
+
+
+class OverflowWatch:
+    """Counts consecutive skipped steps at the loss scale's floor from fetched step metrics.
+
+    Args:
+      loss_scale: the run's loss scale (its type and `min_loss_scale` set the floor).
+      limit: how many consecutive skipped steps at the floor count as persistent.
+    """
+
+    def __init__(self, loss_scale: Any, limit: int):
+        if isinstance(loss_scale, DynamicLossScale):
+            # Compared in fp32, the dtype the scale is held in: fp32(0.1) > 0.1, for one.
+            self._floor = np.float32(loss_scale.min_loss_scale)
+        else:
+            self._floor = np.float32(np.inf)  # a static or no-op scale is always at its floor
+        self.limit = limit
+        self.streak = 0  # consecutive skipped steps at the floor, up to the last step seen
+        self._reported = 0  # the streak's length when it was last reported
+
+    def update(self, window: Sequence[Mapping[str, Any]], step: int) -> str | None:
+        """Takes the host-side metrics of consecutive steps ending at `step`, oldest first.
+
+        Returns:
+          None, or a one-line description of the persistent overflow when the streak has reached
+          `limit` steps, and again each time it has grown by another `limit` steps.
+        """
+        if not window:
+            return None
+        for metrics in window:
+            skipped = not bool(metrics["grads_finite"])
+            if skipped and np.float32(metrics["loss_scale"]) <= self._floor:
+                self.streak += 1
+            else:
+                self.streak = self._reported = 0
+        if self.streak < self._reported + self.limit:
+            return None
+        self._reported = self.streak
+        last = window[-1]
+        return (
+            f"step {step}: the last {self.streak} steps were all skipped for non-finite gradients "
+            f"with the loss scale at {float(last['loss_scale']):g}, which cannot back off "
+            f"further ({int(last['skipped_steps'])} steps skipped in all)"
+        )
+
+
+def advice() -> str:
+    """What to try about a persistent overflow, for the end of the program's message."""
+    return (
+        "try a bf16 policy (--config.policy=mixed_bfloat16), a lower --config.learning_rate, "
+        "gradient clipping (--config.max_grad_norm=1.0), or check the data for nan/inf"
+    )
