@@ -145,7 +145,9 @@ def _abstract(target: Any) -> Any:
 class Checkpointer:
     """Saves and restores `TrainState`s in `directory`, keeping the newest `max_to_keep`.
 
-    Steps are the checkpoint names: `directory/<step>/`. One process, one writer per directory.
+    Steps are the checkpoint names: `directory/<step>/`. One run, one writer per directory. In a
+    multi-process run every process makes a `Checkpointer` on the same (shared) directory and calls
+    `save` and `restore` alike: Orbax synchronizes them, process 0 writes, all of them read.
 
     Args:
         directory: where the checkpoints go; created if missing.
@@ -197,6 +199,10 @@ class Checkpointer:
             CheckpointError: the save failed (after an earlier good checkpoint stayed the latest).
         """
         step = int(step)
+        if jax.process_count() > 1:
+            # Orbax refuses arrays that live on one process's devices in a multi-process run; it
+            # writes host numpy arrays, which every process holds alike, from process 0 only.
+            state = jax.device_get(state)
         self.wait_until_finished()  # an earlier async save's failure is reported as that
         latest = self.latest_step()
         if latest is not None and step <= latest:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import jmp
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jamp import data as data_lib
 from jamp import parallel, tasks
@@ -167,6 +168,8 @@ def _synthetic_fields(config) -> dict:
 
 def resolve_workdir(workdir: str | None) -> pathlib.Path:
     """The workdir to use (a fresh one under ./runs/ when None), checked without creating it."""
+    if not workdir and jax.process_count() > 1:  # each process would pick its own time stamp
+        raise ConfigError("a multi-process run needs --workdir, the same one for every process")
     if not workdir:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         workdir = pathlib.Path("runs") / stamp
@@ -184,7 +187,7 @@ def prepare_workdir(path: pathlib.Path) -> pathlib.Path:
     """Creates the workdir and checks that a file can be written in it."""
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".jamp_write_probe"
+        probe = path / f".jamp_write_probe.{jax.process_index()}"  # processes share the workdir
         probe.write_text("")
         probe.unlink()
     except OSError as e:
@@ -201,11 +204,28 @@ def _init_state(model, tx, loss_scale, info, seed) -> TrainState:
 
 
 class _StopFlag:
-    """Turns SIGTERM and Ctrl-C into a request to save and stop after the current step."""
+    """Turns SIGTERM and Ctrl-C into a request to save and stop after the current step.
 
-    def __init__(self):
+    All processes of a multi-process run must stop at the same step: one that stopped alone would
+    leave the others waiting in a collective for ever. There `should_stop` compares the processes'
+    flags every `every` steps (a signal to any process stops all) and answers False in between.
+    """
+
+    def __init__(self, every: int = 1):
         self.signal = None
+        self._every = every
+        self._stopping = False
         self._saved = {}
+
+    def should_stop(self, step: int) -> bool:
+        if jax.process_count() == 1:
+            return self.signal is not None
+        if step % self._every == 0:
+            signalled = multihost_utils.process_allgather(np.int32(self.signal is not None))
+            self._stopping = bool(np.any(signalled))
+            if self._stopping and self.signal is None:
+                self.signal = "a signal to another process"
+        return self._stopping
 
     def __enter__(self):
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -232,7 +252,7 @@ def evaluate(p_eval_step, state, dataset, task) -> dict:
 
 
 def _progress(total, initial):
-    if not sys.stderr.isatty():
+    if not sys.stderr.isatty() or jax.process_index() != 0:
         return None
     from tqdm import tqdm
 
@@ -249,7 +269,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
     t_begin = time.perf_counter()
     run, data_cfg, optim_cfg, task = parse_config(config)
     workdir = resolve_workdir(workdir)
-    dataset = data_lib.get_dataset(data_cfg, jax.local_device_count())
+    # Each process reads its slice of every global batch; the batch divides over all devices.
+    data_cfg = dataclasses.replace(
+        data_cfg, process_index=jax.process_index(), process_count=jax.process_count()
+    )
+    dataset = data_lib.get_dataset(data_cfg, jax.device_count())
     if dataset.info.task != task:
         raise ConfigError(
             f"model {run.model!r} trains on {task} data but dataset {data_cfg.dataset!r} is "
@@ -268,13 +292,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
             state = ckpt.restore(state, set_aside_damaged=True)
             print(f"resuming from the checkpoint at step {int(state.step)}", flush=True)
         start = int(state.step)
-        with MetricWriter(workdir, purge_step=start) as writer, _StopFlag() as stop:
+        primary = jax.process_index() == 0  # the others hold the same averaged metrics
+        with (
+            MetricWriter(workdir, purge_step=start, enabled=primary) as writer,
+            _StopFlag(every=run.log_every_steps) as stop,
+        ):
             writer.write_config(config.to_dict())
             summary = _train(
                 run, task, model, tx, schedule, state, start, dataset, ckpt, writer, stop, t_begin
             )
     summary["workdir"] = str(workdir)
-    print(summary_table(summary), flush=True)
+    if jax.process_index() == 0:
+        print(summary_table(summary), flush=True)
     return summary
 
 
@@ -300,7 +329,7 @@ def _train(
     steps_timed, time_timed = 0, 0.0
     overflow = OverflowWatch(run.loss_scale, run.persistent_overflow_steps)
     step = start
-    while step < run.num_train_steps and stop.signal is None:
+    while step < run.num_train_steps and not stop.should_stop(step):
         t0 = time.perf_counter()
         batch = next(batches)
         wait += time.perf_counter() - t0
@@ -338,7 +367,7 @@ def _train(
     final = parallel.unreplicate(state)
     if checkpointer.latest_step() != step:
         checkpointer.save(step, final)
-    if stop.signal is None:
+    if not stop.should_stop(step):
         eval_metrics = evaluate(p_eval_step, state, dataset, task)
         writer.write(step, eval_metrics, kind="eval")
     else:
@@ -357,7 +386,7 @@ def _show(bar, step, record):
     )
     if bar is not None:
         bar.set_postfix_str(text)
-    else:
+    elif jax.process_index() == 0:
         print(f"step {step}  {text}", flush=True)
 
 

@@ -98,6 +98,8 @@ class MetricWriter:
         tensorboard: also write TensorBoard scalars (needs tensorboardX), tagged "<kind>/<name>".
         purge_step: on resume, the step the run restarts from: TensorBoard then hides what the
             previous run logged from that step on. `metrics.jsonl` is never rewritten.
+        enabled: False makes a writer that writes nothing, for the processes other than process
+            0 of a multi-process run (they log the same, already averaged, values).
 
     Example:
         >>> with MetricWriter("/tmp/run") as writer:
@@ -106,13 +108,21 @@ class MetricWriter:
     """
 
     def __init__(
-        self, workdir: str | os.PathLike, *, tensorboard: bool = True, purge_step: int | None = None
+        self,
+        workdir: str | os.PathLike,
+        *,
+        tensorboard: bool = True,
+        purge_step: int | None = None,
+        enabled: bool = True,
     ):
         self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
         self.path = self.workdir / "metrics.jsonl"
+        self.enabled = enabled
         self._file = None
         self._tb = None
+        if not enabled:
+            return
+        self.workdir.mkdir(parents=True, exist_ok=True)
         if tensorboard:
             try:
                 from tensorboardX import SummaryWriter
@@ -151,6 +161,8 @@ class MetricWriter:
         Raises:
             ValueError: a value is not a scalar number, or a name is "step" or "kind".
         """
+        if not self.enabled:
+            return
         values = {}
         for name, value in metrics.items():
             if name in _RESERVED:
@@ -171,6 +183,8 @@ class MetricWriter:
 
         Replaces the file atomically; values JSON cannot hold are written as their `str()`.
         """
+        if not self.enabled:
+            return
         text = json.dumps(_json_value(config), indent=2, allow_nan=False) + "\n"
         target = self.workdir / "config.json"
         tmp = target.with_name(target.name + ".tmp")

@@ -11,6 +11,12 @@ Typical use:
     >>> for batch in batches:
     ...   state, metrics = p_train_step(state, shard(batch), base_key)
     >>> final = unreplicate(state)
+
+Several processes (after `jax.distributed.initialize`): every function here works on the devices
+of the process that calls it. Each process replicates the state onto its own devices and shards
+its own slice of the global batch; the pmapped step's axis then spans the devices of all
+processes, so its `pmean` averages over all of them, and its outputs come back on each process's
+own devices.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ AXIS_NAME = "batch"
 
 
 def local_device_count() -> int:
-    """Returns the number of devices this process drives (the size of the pmap axis)."""
+    """Returns the number of devices this process drives (its share of the pmap axis)."""
     return jax.local_device_count()
 
 
@@ -92,19 +98,24 @@ def unreplicate(tree: PyTree) -> PyTree:
         if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
             # Read replica 0 from the device that holds it: `x[0]` would instead give an array
             # replicated over every device, which then clashes with single-device arrays in jit.
-            for piece in x.addressable_shards:
+            pieces = x.addressable_shards
+            for piece in pieces:
                 if (piece.index[0].start or 0) == 0:
                     return piece.data[0]
+            # An array laid out over several processes' devices, replica 0 on another process:
+            # take one of this process's replicas (the replicas of a pmapped state are equal).
+            return pieces[0].data[0]
         return x[0]
 
     return jax.tree.map(first, tree)
 
 
 def shard(batch: PyTree, num_devices: int | None = None) -> PyTree:
-    """Splits a global batch into per-device batches along a new leading axis.
+    """Splits a batch into per-device batches along a new leading axis.
 
     Args:
-      batch: a pytree of arrays (numpy or jax) with the same leading (global batch) axis.
+      batch: a pytree of arrays (numpy or jax) with the same leading batch axis: the global
+        batch, or in a multi-process run this process's slice of it.
       num_devices: the number of shards; the local device count when None.
 
     Returns:
@@ -149,7 +160,7 @@ def make_p_train_step(
     axis_name: str = AXIS_NAME,
     donate_state: bool = True,
 ) -> Callable:
-    """Pmaps a train step over the local devices.
+    """Pmaps a train step over the local devices (of every process, in a multi-process run).
 
     Args:
       train_step: from `jamp.step.make_train_step(..., axis_name=axis_name)`.

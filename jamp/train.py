@@ -7,6 +7,10 @@ directory under ``./runs/``. Mistakes in the command line or config end the prog
 on stderr and exit status 2; nothing in the workdir is changed. A run whose steps keep being
 skipped for non-finite gradients at the smallest loss scale stops with one line and exit status 3
 (``--config.on_persistent_overflow=warn`` only warns).
+
+A multi-process run starts the program once per process, each with the same config and --workdir
+and ``--coordinator_address=HOST:PORT --num_processes=N --process_id=I`` (or only
+``--distributed`` where JAX detects the cluster: SLURM, Open MPI, Kubernetes, Cloud TPU).
 """
 
 from __future__ import annotations
@@ -22,6 +26,22 @@ from ml_collections import config_flags
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.py"
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3  # training stopped making progress (see configs/default.py)
+
+# A multi-process run: jax.distributed joins the processes, and pmap then spans all their devices.
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address",
+    None,
+    "HOST:PORT where process 0 serves the coordinator of a multi-process run, the same for every "
+    "process (JAX also reads $JAX_COORDINATOR_ADDRESS).",
+)
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process: 0 .. num_processes - 1.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed",
+    False,
+    "Join a multi-process run even without the three flags above, which JAX then detects from "
+    "the cluster (SLURM, Open MPI, Kubernetes, Cloud TPU).",
+)
 
 
 def _define_flags():
@@ -66,6 +86,27 @@ def _parse_flags(argv: list[str]) -> list[str]:
         _fail(f"cannot load the config: {_one_line(e, last='Failed loading' in str(e))}")
 
 
+def _initialize_distributed() -> None:
+    """Joins a multi-process run if the flags or $JAX_COORDINATOR_ADDRESS ask for one.
+
+    Runs before anything touches a JAX backend: `jax.distributed.initialize` has to come first.
+    """
+    given = {
+        "coordinator_address": _COORDINATOR.value,
+        "num_processes": _NUM_PROCESSES.value,
+        "process_id": _PROCESS_ID.value,
+    }
+    given = {name: value for name, value in given.items() if value is not None}
+    if not (given or _DISTRIBUTED.value or os.environ.get("JAX_COORDINATOR_ADDRESS")):
+        return
+    import jax
+
+    try:
+        jax.distributed.initialize(**given)
+    except Exception as e:  # bad or missing settings, or no coordinator within JAX's time-out
+        _fail(f"cannot join the multi-process run: {_one_line(e)}")
+
+
 def main(argv: list[str], config, workdir) -> None:
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}; pass settings as --config.<field>=<value>")
@@ -85,6 +126,7 @@ def main(argv: list[str], config, workdir) -> None:
         resolved = config.value.to_dict() and config.value  # loads the recipe file now
     except Exception as e:  # ml_collections defers a missing or broken recipe to first use
         _fail(f"cannot load the config file: {_one_line(e, last=True)}")
+    _initialize_distributed()
     try:
         loop.train_and_evaluate(resolved, workdir.value)
     except (loop.ConfigError, DataError, CheckpointError) as e:

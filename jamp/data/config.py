@@ -25,6 +25,10 @@ class DataConfig:
       download: let tfds download a dataset that `data_dir` lacks; off the network this fails fast.
       image_shape, num_classes, vocab_size, num_synthetic_examples: for the synthetic datasets only.
       prefetch: batches prepared ahead of the consumer by background threads.
+      process_index, process_count: in a multi-process run, which process this is and how many
+        there are. Each process then reads only its slice of every global batch: process i gets
+        examples [i * b, (i + 1) * b) of it, b = batch_size // process_count, so the slices
+        concatenated in process order are the batch a single process would read.
     """
 
     dataset: str
@@ -38,6 +42,8 @@ class DataConfig:
     vocab_size: int = 256
     num_synthetic_examples: int = 4096
     prefetch: int = 4
+    process_index: int = 0
+    process_count: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

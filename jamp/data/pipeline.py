@@ -61,11 +61,31 @@ class Dataset:
     `info` describes it; `train_batches(step)` and `eval_batches()` produce the batches.
     Classification batches are {"image": f32[B, H, W, C] in [-1, 1], "label": i32[B]}; language-
     model batches are {"tokens": i32[B, seq_len + 1]}; eval batches add "mask": f32[B].
+
+    In a multi-process run (`process_count` > 1) every batch is this process's slice of the global
+    batch: B = `local_batch_size` = `batch_size // process_count` examples, the
+    `process_index`-th consecutive block of the batch one process would read.
     """
 
-    def __init__(self, splits: Splits, batch_size: int, seed: int = 0, prefetch: int = 4):
+    def __init__(
+        self,
+        splits: Splits,
+        batch_size: int,
+        seed: int = 0,
+        prefetch: int = 4,
+        process_index: int = 0,
+        process_count: int = 1,
+    ):
+        if process_count < 1 or not 0 <= process_index < process_count:
+            raise ValueError(f"process {process_index} of {process_count} does not exist")
+        if batch_size % process_count:
+            raise ValueError(
+                f"batch_size {batch_size} does not divide over {process_count} processes"
+            )
         self.info: DatasetInfo = splits.info
-        self.batch_size = batch_size
+        self.batch_size = batch_size  # global
+        self.local_batch_size = batch_size // process_count
+        self._process = (process_index, process_count)
         self._train = splits.train
         self._eval = splits.eval
         self._seed = _shuffle_seed(seed)
@@ -98,13 +118,15 @@ class Dataset:
         )
 
     def _collate_padded(self, examples: Sequence[dict[str, Any]]) -> dict[str, np.ndarray]:
-        batch = self._collate(examples)
-        real = len(examples)
+        real, size = len(examples), self.local_batch_size
+        # This process's share of the last global batch may hold no real example at all; the
+        # split's first example then lends the shapes and dtypes of the padding.
+        batch = self._collate(examples or [self._eval[0]])
         padded = {}
         for key, value in batch.items():
-            padding = np.zeros((self.batch_size - real, *value.shape[1:]), value.dtype)
-            padded[key] = np.concatenate([value, padding])
-        padded["mask"] = (np.arange(self.batch_size) < real).astype(np.float32)
+            padding = np.zeros((size - real, *value.shape[1:]), value.dtype)
+            padded[key] = np.concatenate([value[:real], padding])
+        padded["mask"] = (np.arange(size) < real).astype(np.float32)
         return padded
 
     def _iterate(self, batches: grain.MapDataset) -> Iterator[dict[str, np.ndarray]]:
@@ -124,13 +146,15 @@ class Dataset:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
         if self._cache is not None:
             return self._cached_train_batches(start_step)
+        index, count = self._process
         batches = (
             grain.MapDataset.source(self._train)
             .shuffle(seed=self._seed)
             .repeat()
-            .batch(self.batch_size, drop_remainder=True, batch_fn=self._collate)
+            .batch(self.local_batch_size, drop_remainder=True, batch_fn=self._collate)
         )
-        return self._iterate(batches[start_step:])
+        # Global batch k is local batches k * count ... k * count + count - 1 of the same stream.
+        return self._iterate(batches[start_step * count + index :: count])
 
     def _cached_train_batches(self, start_step: int) -> Iterator[dict[str, np.ndarray]]:
         """`train_batches` for an in-memory split: the same contract, vectorised in numpy.
@@ -147,19 +171,30 @@ class Dataset:
                 order[epoch] = rng.permutation(size)
             return order[epoch]
 
+        first = self._process[0] * self.local_batch_size  # this process's slice of each batch
         while True:
-            positions = np.arange(step * self.batch_size, (step + 1) * self.batch_size)
+            start = step * self.batch_size + first
+            positions = np.arange(start, start + self.local_batch_size)
             epochs, within = np.divmod(positions, size)
             index = np.concatenate([permutation(e)[within[epochs == e]] for e in np.unique(epochs)])
             yield self._gather(index)
             step += 1
 
     def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
-        """One pass over the eval split, in order, in full batches with a "mask" (1 real, 0 pad)."""
-        batches = grain.MapDataset.source(self._eval).batch(
-            self.batch_size, drop_remainder=False, batch_fn=self._collate_padded
-        )
-        return self._iterate(batches)
+        """One pass over the eval split, in order, in full batches with a "mask" (1 real, 0 pad).
+
+        Every process gets `num_eval_batches()` batches, padding included: each eval step is a
+        collective that all processes have to join.
+        """
+        size, first = len(self._eval), self._process[0] * self.local_batch_size
+
+        def local_batch(k):
+            start = k * self.batch_size + first
+            return self._collate_padded(
+                [self._eval[i] for i in range(start, min(start + self.local_batch_size, size))]
+            )
+
+        return self._iterate(grain.MapDataset.range(self.num_eval_batches()).map(local_batch))
 
     def num_eval_batches(self) -> int:
         return -(-self.info.num_eval_examples // self.batch_size)

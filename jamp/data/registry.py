@@ -124,10 +124,12 @@ def get_dataset(cfg: DataConfig, num_devices: int) -> Dataset:
 
     Args:
       cfg: what to read and how.
-      num_devices: devices the batch is split over; `cfg.batch_size` must be a multiple.
+      num_devices: devices the batch is split over, those of all processes together
+        (`jax.device_count()`); `cfg.batch_size` must be a multiple.
 
     Returns:
-      A `Dataset`: `.info`, `.train_batches(start_step)`, `.eval_batches()`.
+      A `Dataset`: `.info`, `.train_batches(start_step)`, `.eval_batches()`; batches are this
+      process's slice of each global batch when `cfg.process_count` > 1.
 
     Raises:
       DataError: with a one-line message: unknown name, bad batch size, or a tfds dataset that is
@@ -146,7 +148,14 @@ def get_dataset(cfg: DataConfig, num_devices: int) -> Dataset:
         raise DataError(
             f"unknown dataset '{cfg.dataset}': known datasets are {', '.join(DATASETS)}"
         )
-    return Dataset(open_splits(cfg), cfg.batch_size, seed=cfg.seed, prefetch=cfg.prefetch)
+    return Dataset(
+        open_splits(cfg),
+        cfg.batch_size,
+        seed=cfg.seed,
+        prefetch=cfg.prefetch,
+        process_index=cfg.process_index,
+        process_count=cfg.process_count,
+    )
 
 
 def prepare(name: str, data_dir: str | None = None) -> str:
