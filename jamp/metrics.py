@@ -220,7 +220,8 @@ def mean_metrics(records: Sequence[Mapping[str, Any]]) -> dict[str, float | int]
 
     Keys in `LAST_VALUE_KEYS` ("loss_scale", "skipped_steps", "step") take their last value;
     every other key takes the mean over the records that have it, in float64 (booleans such as
-    "grads_finite" become the fraction of True). A nan or inf in the window shows in the mean.
+    "grads_finite" become the fraction of True), over the steps where the value is finite; a key
+    with no finite value in the window keeps the last (nan or inf) value.
 
     Args:
         records: per-step dicts of scalars (numpy, jax or Python), oldest first. A value with a
@@ -245,7 +246,11 @@ def mean_metrics(records: Sequence[Mapping[str, Any]]) -> dict[str, float | int]
                 int(value) if np.issubdtype(value.dtype, np.integer) else float(np.float64(value))
             )
         else:
-            out[name] = float(np.mean([np.mean(v, dtype=np.float64) for v in values]))
+            means = np.array([np.mean(v, dtype=np.float64) for v in values])
+            finite = means[np.isfinite(means)]
+            # Skipped steps are counted by "skipped_steps"; their nan/inf loss or gradient norm
+            # would otherwise hide the window's real values (and make TensorBoard complain).
+            out[name] = float(finite.mean()) if finite.size else float(means[-1])
     return out
 
 

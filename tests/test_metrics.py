@@ -219,7 +219,9 @@ def test_mean_metrics_means_and_last_values():
 def test_mean_metrics_edge_cases():
     assert mean_metrics([]) == {}
     out = mean_metrics([{"loss": np.float32(np.nan)}, {"loss": 1.0, "accuracy": 0.5}])
-    assert math.isnan(out["loss"]) and out["accuracy"] == 0.5  # keys missing in some records
+    assert out["loss"] == 1.0 and out["accuracy"] == 0.5  # a skipped step's nan is left out
+    out = mean_metrics([{"grad_norm": np.inf}, {"grad_norm": np.float32(np.nan)}])
+    assert math.isnan(out["grad_norm"])  # nothing finite: the last value shows
     replicated = mean_metrics([{"loss": np.full(8, 2.0), "skipped_steps": np.full(8, 3)}])
     assert replicated == {"loss": 2.0, "skipped_steps": 3}
 
