@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 import pathlib
 import signal
@@ -72,17 +73,35 @@ def _make_loss_scale(kind: str, p: ml_collections.ConfigDict, policy: jmp.Policy
         kind = "dynamic" if np.dtype(policy.compute_dtype) == np.float16 else "none"
     if kind == "none":
         return NoOpLossScale()
+    # The fields whose names differ from the library's arguments are checked here, so that the
+    # message names the config field; the library checks the others.
+    initial, low, high = float(p.initial), float(p.min_scale), float(p.max_scale)
+    if not 0 < initial < math.inf:
+        raise ConfigError(f"loss_scale_params.initial must be finite and > 0, got {initial}")
     if kind == "static":
-        return StaticLossScale(float(p.initial))
-    return DynamicLossScale(
-        float(p.initial),
-        growth_interval=int(p.growth_interval),
-        growth_factor=float(p.growth_factor),
-        backoff_factor=float(p.backoff_factor),
-        hysteresis=int(p.hysteresis),
-        min_loss_scale=float(p.min_scale),
-        max_loss_scale=float(p.max_scale),
-    )
+        return StaticLossScale(initial)
+    if not 0 < low <= high < math.inf:
+        raise ConfigError(
+            "loss_scale_params need 0 < min_scale <= max_scale < inf, "
+            f"got min_scale {low} and max_scale {high}"
+        )
+    if not low <= initial <= high:
+        raise ConfigError(
+            f"loss_scale_params.initial must be between min_scale {low} and max_scale {high}, "
+            f"got {initial}"
+        )
+    try:
+        return DynamicLossScale(
+            initial,
+            growth_interval=int(p.growth_interval),
+            growth_factor=float(p.growth_factor),
+            backoff_factor=float(p.backoff_factor),
+            hysteresis=int(p.hysteresis),
+            min_loss_scale=low,
+            max_loss_scale=high,
+        )
+    except ValueError as e:  # "DynamicLossScale: growth_factor must be > 1, got 1.0"
+        raise ConfigError(f"loss_scale_params: {e}") from None
 
 
 def _positive(config, *names):
@@ -132,9 +151,18 @@ def parse_config(config: ml_collections.ConfigDict):
         raise
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
-    if config.max_grad_norm < 0:
+    if not config.max_grad_norm >= 0:  # also NaN
         raise ConfigError(
             f"max_grad_norm must be >= 0 (0: no clipping), got {config.max_grad_norm}"
+        )
+    # Checked here rather than when the step is traced, after the workdir has been written.
+    devices = jax.device_count()
+    per_device, remainder = divmod(config.batch_size, devices)
+    if not remainder and per_device % config.accumulation_steps:
+        raise ConfigError(
+            f"accumulation_steps {config.accumulation_steps} does not divide the per-device batch "
+            f"of {per_device} (batch_size {config.batch_size} over {devices} devices): use a "
+            f"batch_size that is a multiple of {devices * config.accumulation_steps}"
         )
     run = RunConfig(
         model=config.model,

@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import optax
 
@@ -48,15 +49,17 @@ class OptimConfig:
             raise ValueError(
                 f"unknown schedule {self.schedule!r}; accepted: {', '.join(SCHEDULES)}"
             )
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be positive, got {self.learning_rate}")
+        if not 0 < self.learning_rate < math.inf:
+            raise ValueError(f"learning_rate must be finite and > 0, got {self.learning_rate}")
         if self.warmup_steps < 0 or self.warmup_steps > self.num_train_steps:
             raise ValueError(
                 f"warmup_steps must be between 0 and num_train_steps ({self.num_train_steps}), "
                 f"got {self.warmup_steps}"
             )
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"weight_decay must be finite and >= 0, got {self.weight_decay}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
 
 
 def make_schedule(cfg: OptimConfig) -> optax.Schedule:

@@ -80,7 +80,14 @@ def _parse_flags(argv: list[str]) -> list[str]:
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
+        if "Error whilst parsing config file" in str(e):  # get_config() raised; reason comes last
+            _fail(f"cannot load the config: {_one_line(e, last=True)}")
         _fail(_one_line(e))
+    except (KeyError, AttributeError) as e:  # an override of a field the recipe does not have
+        name = _one_line(e)  # ml_collections names the last part only: the full path is nicer
+        paths = [a[len("--config.") :].split("=")[0] for a in argv if a.startswith("--config.")]
+        field = next((path for path in paths if name in path.split(".")), name)
+        _fail(f"unknown config field {field}; see the recipe file for the fields it has")
     except Exception as e:  # a recipe that fails to load or a bad override value
         # ml_collections puts the reason a recipe failed to load (e.g. no such file) last.
         _fail(f"cannot load the config: {_one_line(e, last='Failed loading' in str(e))}")

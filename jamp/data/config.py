@@ -79,6 +79,15 @@ class Splits:
 
 
 def resolve_data_dir(data_dir: str | None) -> str:
-    """The absolute data directory: `data_dir`, else `$TFDS_DATA_DIR`, else ~/tensorflow_datasets."""
+    """The absolute data directory: `data_dir`, else `$TFDS_DATA_DIR`, else ~/tensorflow_datasets.
+
+    Raises DataError if the path, or the nearest part of it that exists, is not a directory.
+    """
     chosen = data_dir or os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets"
-    return os.path.abspath(os.path.expanduser(chosen))
+    path = os.path.abspath(os.path.expanduser(chosen))
+    existing = path
+    while not os.path.exists(existing):  # tfds would create what is missing
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise DataError(f"data_dir {path} cannot be used: {existing} is not a directory")
+    return path
