@@ -409,7 +409,7 @@ def _train(
 
 def _show(bar, step, record):
     text = (
-        f"loss {record['loss']:.4f}  scale {record['loss_scale']:.0f}  "
+        f"loss {record['loss']:.4f}  scale {record['loss_scale']:g}  "
         f"{record['examples_per_sec']:.0f} ex/s"
     )
     if bar is not None:
