@@ -203,7 +203,9 @@ def test_resume_after_sigterm_starts_at_the_stop_step_and_is_bit_identical(
     code, stdout, stderr = _interrupt(workdir, data_dir, (str(NUM_STEPS // 2),), signal.SIGTERM)
     assert code == 0, stderr[-3000:]
     stopped = int(re.search(r"stopped by SIGTERM at step (\d+)", stdout).group(1))
-    assert NUM_STEPS // 2 < stopped < NUM_STEPS
+    # Usually a step or two after the checkpoint at NUM_STEPS // 2; on a busy machine the signal
+    # can land as that very step ends, and the stop then coincides with the periodic save.
+    assert NUM_STEPS // 2 <= stopped < NUM_STEPS
     assert max(_steps(workdir)) == stopped  # saved on the way out, whatever the period
     assert int(_restore(workdir, target, step=stopped).step) == stopped
     out = _run(workdir, data_dir)
