@@ -1,26 +1,20 @@
 """`train_and_evaluate(config, workdir)`: the training program, wired from the library's parts.
 
 The ml_collections config is converted once, at the top, into the small dataclasses each part owns
-(`RunConfig` here, `jamp.data.DataConfig`, `jamp.optim.OptimConfig`); nothing below sees the
-ConfigDict. Every check that can fail on user input runs before the workdir is touched, and a
-checkpoint is restored before anything is written into the workdir.
+(`jamp.run_config.parse_config`); nothing below sees the ConfigDict. Every check that can fail on
+user input runs before the workdir is touched, and a checkpoint is restored before anything is
+written into the workdir.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import math
-import os
-import pathlib
 import signal
 import sys
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-import jmp
 import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
@@ -28,199 +22,21 @@ from jax.experimental import multihost_utils
 from jamp import data as data_lib
 from jamp import parallel, tasks
 from jamp.checkpoint import Checkpointer
-from jamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jamp.metrics import MetricWriter, mean_metrics, peak_memory_mib, summary_table
-from jamp.models import get_model, model_task
-from jamp.optim import OptimConfig, make_optimizer
-from jamp.overflow_watch import ON_PERSISTENT_OVERFLOW, OverflowWatch, TrainingDiverged, advice
-from jamp.precision import describe, get_policy
+from jamp.models import get_model
+from jamp.optim import make_optimizer
+from jamp.overflow_watch import OverflowWatch, TrainingDiverged, advice
+from jamp.precision import describe
+from jamp.run_config import (  # noqa: F401 (ConfigError and parse_config are loop's API too)
+    ConfigError,
+    RunConfig,
+    parse_config,
+    prepare_workdir,
+    resolve_workdir,
+)
 from jamp.state import TrainState
 from jamp.step import make_eval_step, make_train_step
 from jamp.wrap import wrap
-
-LOSS_SCALES = ("auto", "dynamic", "static", "none")
-
-
-class ConfigError(ValueError):
-    """A config value the program cannot run with; its message is one line for the user."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """The loop's own settings, taken from the config."""
-
-    model: str
-    model_config: dict
-    batch_size: int
-    policy: jmp.Policy
-    loss_scale: Any
-    num_train_steps: int
-    accumulation_steps: int
-    max_grad_norm: float | None
-    log_every_steps: int
-    eval_every_steps: int
-    checkpoint_every_steps: int
-    max_checkpoints_to_keep: int
-    seed: int
-    on_persistent_overflow: str
-    persistent_overflow_steps: int
-
-
-def _make_loss_scale(kind: str, p: ml_collections.ConfigDict, policy: jmp.Policy):
-    if kind not in LOSS_SCALES:
-        raise ConfigError(f"unknown loss_scale {kind!r}; accepted: {', '.join(LOSS_SCALES)}")
-    if kind == "auto":
-        kind = "dynamic" if np.dtype(policy.compute_dtype) == np.float16 else "none"
-    if kind == "none":
-        return NoOpLossScale()
-    # The fields whose names differ from the library's arguments are checked here, so that the
-    # message names the config field; the library checks the others.
-    initial, low, high = float(p.initial), float(p.min_scale), float(p.max_scale)
-    if not 0 < initial < math.inf:
-        raise ConfigError(f"loss_scale_params.initial must be finite and > 0, got {initial}")
-    if kind == "static":
-        return StaticLossScale(initial)
-    if not 0 < low <= high < math.inf:
-        raise ConfigError(
-            "loss_scale_params need 0 < min_scale <= max_scale < inf, "
-            f"got min_scale {low} and max_scale {high}"
-        )
-    if not low <= initial <= high:
-        raise ConfigError(
-            f"loss_scale_params.initial must be between min_scale {low} and max_scale {high}, "
-            f"got {initial}"
-        )
-    try:
-        return DynamicLossScale(
-            initial,
-            growth_interval=int(p.growth_interval),
-            growth_factor=float(p.growth_factor),
-            backoff_factor=float(p.backoff_factor),
-            hysteresis=int(p.hysteresis),
-            min_loss_scale=low,
-            max_loss_scale=high,
-        )
-    except ValueError as e:  # "DynamicLossScale: growth_factor must be > 1, got 1.0"
-        raise ConfigError(f"loss_scale_params: {e}") from None
-
-
-def _positive(config, *names):
-    for name in names:
-        value = config[name]
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-
-
-def parse_config(config: ml_collections.ConfigDict):
-    """Validates `config` and splits it into (RunConfig, DataConfig, OptimConfig).
-
-    Raises:
-      ConfigError: with a one-line message naming the bad field and what is accepted.
-    """
-    _positive(config, "batch_size", "num_train_steps", "accumulation_steps", "log_every_steps")
-    _positive(config, "eval_every_steps", "checkpoint_every_steps", "max_checkpoints_to_keep")
-    _positive(config, "persistent_overflow_steps")
-    if config.on_persistent_overflow not in ON_PERSISTENT_OVERFLOW:
-        raise ConfigError(
-            f"unknown on_persistent_overflow {config.on_persistent_overflow!r}; accepted: "
-            f"{', '.join(ON_PERSISTENT_OVERFLOW)}"
-        )
-    try:
-        policy = get_policy(config.policy)
-        loss_scale = _make_loss_scale(config.loss_scale, config.loss_scale_params, policy)
-        task = model_task(config.model)
-        optim = OptimConfig(
-            optimizer=config.optimizer,
-            learning_rate=float(config.learning_rate),
-            schedule=config.schedule,
-            warmup_steps=int(config.warmup_steps),
-            num_train_steps=int(config.num_train_steps),
-            weight_decay=float(config.weight_decay),
-            momentum=float(config.momentum),
-        )
-        data = data_lib.DataConfig(
-            dataset=config.dataset,
-            batch_size=int(config.batch_size),
-            data_dir=config.data_dir or None,
-            seq_len=int(config.seq_len),
-            seed=int(config.seed),
-            download=bool(config.download),
-            **_synthetic_fields(config),
-        )
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
-    if not config.max_grad_norm >= 0:  # also NaN
-        raise ConfigError(
-            f"max_grad_norm must be >= 0 (0: no clipping), got {config.max_grad_norm}"
-        )
-    # Checked here rather than when the step is traced, after the workdir has been written.
-    devices = jax.device_count()
-    per_device, remainder = divmod(config.batch_size, devices)
-    if not remainder and per_device % config.accumulation_steps:
-        raise ConfigError(
-            f"accumulation_steps {config.accumulation_steps} does not divide the per-device batch "
-            f"of {per_device} (batch_size {config.batch_size} over {devices} devices): use a "
-            f"batch_size that is a multiple of {devices * config.accumulation_steps}"
-        )
-    run = RunConfig(
-        model=config.model,
-        model_config=config.model_config.to_dict(),
-        batch_size=config.batch_size,
-        policy=policy,
-        loss_scale=loss_scale,
-        num_train_steps=config.num_train_steps,
-        accumulation_steps=config.accumulation_steps,
-        max_grad_norm=float(config.max_grad_norm) or None,
-        log_every_steps=config.log_every_steps,
-        eval_every_steps=config.eval_every_steps,
-        checkpoint_every_steps=config.checkpoint_every_steps,
-        max_checkpoints_to_keep=config.max_checkpoints_to_keep,
-        seed=int(config.seed),
-        on_persistent_overflow=config.on_persistent_overflow,
-        persistent_overflow_steps=config.persistent_overflow_steps,
-    )
-    return run, data, optim, task
-
-
-def _synthetic_fields(config) -> dict:
-    # Only the synthetic recipes carry these fields.
-    fields = {}
-    for name in ("image_shape", "num_classes", "vocab_size"):
-        if name in config:
-            value = config[name]
-            fields[name] = tuple(value) if isinstance(value, (list, tuple)) else value
-    return fields
-
-
-def resolve_workdir(workdir: str | None) -> pathlib.Path:
-    """The workdir to use (a fresh one under ./runs/ when None), checked without creating it."""
-    if not workdir and jax.process_count() > 1:  # each process would pick its own time stamp
-        raise ConfigError("a multi-process run needs --workdir, the same one for every process")
-    if not workdir:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        workdir = pathlib.Path("runs") / stamp
-        print(f"workdir: {workdir.resolve()}", flush=True)
-    path = pathlib.Path(workdir).expanduser().absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        raise ConfigError(f"workdir {path} is not writable: {existing} is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"workdir {path} is not writable: no write permission on {existing}")
-    return path
-
-
-def prepare_workdir(path: pathlib.Path) -> pathlib.Path:
-    """Creates the workdir and checks that a file can be written in it."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".jamp_write_probe.{jax.process_index()}"  # processes share the workdir
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"workdir {path} is not writable: {e.strerror or e}") from None
-    return path
 
 
 def _init_state(model, tx, loss_scale, info, seed) -> TrainState:

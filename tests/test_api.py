@@ -45,15 +45,16 @@ RANK = {
     "optim": 4,
     "overflow_watch": 4,
     "tasks": 4,
-    "loop": 5,
-    "train": 6,
+    "run_config": 5,
+    "loop": 6,
+    "train": 7,
 }
 # Heavy or program-only dependencies, and the only modules allowed to import them.
 CONFINED = {
     "tensorflow": {"data"},
     "tensorflow_datasets": {"data"},
     "orbax": {"checkpoint"},
-    "ml_collections": {"loop", "train"},
+    "ml_collections": {"run_config", "loop", "train"},
 }
 
 
