@@ -6,12 +6,12 @@ a non-zero exit status, no traceback, and every file under the workdir exactly a
 
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+from subproc import cli_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMOKE = "--config=configs/default.py:smoke"
@@ -91,19 +91,11 @@ def _cases():
         yield pytest.param(args, needle, id=case_id)
 
 
-def _env(devices: int) -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    return env
-
-
 def _cli(args, devices=8) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "jamp.train", *args],
         cwd=ROOT,
-        env=_env(devices),
+        env=cli_env(devices),
         capture_output=True,
         text=True,
         timeout=300,

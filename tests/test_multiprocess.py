@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
 import pathlib
 import signal
 import socket
@@ -27,6 +26,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from subproc import cli_env
 
 from jamp import data as data_lib
 from jamp.data import pipeline
@@ -37,14 +37,6 @@ STEPS = 12  # the smoke variant's num_train_steps
 TIMEOUT = 240  # seconds for one run of the program, start-up and compiles included
 # Params of the fp16 runs agree to ~2e-6 here (see the module docstring); 1% of one update.
 PARAM_ATOL = 1e-5
-
-
-def _env(devices: int) -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    return env
 
 
 def _free_port() -> int:
@@ -71,7 +63,7 @@ def _processes(workdir, num_processes, devices, *extra):
                 *extra,
             ),
             cwd=ROOT,
-            env=_env(devices),
+            env=cli_env(devices),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -101,7 +93,7 @@ def _train_one_process(workdir, devices, *extra):
     out = subprocess.run(
         _train_cmd(workdir, *extra),
         cwd=ROOT,
-        env=_env(devices),
+        env=cli_env(devices),
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
@@ -158,7 +150,7 @@ def test_train_bad_distributed_flags_are_one_line(tmp_path):
     out = subprocess.run(
         _train_cmd(tmp_path / "run", "--num_processes=2", "--process_id=0"),
         cwd=ROOT,
-        env=_env(2),
+        env=cli_env(2),
         capture_output=True,
         text=True,
         timeout=TIMEOUT,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from subproc import cli_env
 
 import jamp
 from jamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
@@ -477,14 +477,6 @@ def test_overflow_watch_compares_the_floor_in_fp32():
     assert watch.update([step_metrics(False, np.float32(0.1), 1)], 1) is not None
 
 
-def _env():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    return env
-
-
 def _cli(workdir, *extra):
     """Runs the training program on small synthetic images; every step overflows unless `extra`
     changes the loss scale: a static scale of 1e30 overflows fp16 on every backward pass."""
@@ -504,7 +496,7 @@ def _cli(workdir, *extra):
     return subprocess.run(
         [sys.executable, "-m", "jamp.train", *args],
         cwd=ROOT,
-        env=_env(),
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=600,

@@ -21,6 +21,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from subproc import cli_env
 
 from jamp.checkpoint import Checkpointer
 
@@ -32,14 +33,6 @@ TMP = ".orbax-checkpoint-tmp"  # where Orbax writes a checkpoint before renaming
 # Reading a damaged checkpoint leaves an Orbax callback for a closed event loop, reported at a
 # later garbage collection (see test_checkpoint.py).
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    return env
 
 
 OVERRIDES = {
@@ -69,7 +62,7 @@ def _run(workdir, data_dir, check=True) -> subprocess.CompletedProcess:
     out = subprocess.run(
         _command(workdir, data_dir),
         cwd=ROOT,
-        env=_env(),
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=600,
@@ -93,7 +86,7 @@ def _interrupt(workdir, data_dir, when: tuple[str, ...], sig: signal.Signals):
     proc = subprocess.Popen(
         _command(workdir, data_dir),
         cwd=ROOT,
-        env=_env(),
+        env=cli_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import signal
 import subprocess
@@ -11,6 +10,7 @@ import sys
 import time
 
 import pytest
+from subproc import cli_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPES = ["cifar10_cnn", "mnist", "fashion_mnist", "cifar10_resnet", "lm_tiny_shakespeare"]
@@ -24,8 +24,8 @@ TRAIN_KEYS = {
     "examples_per_sec",
 }
 
-# Runs the CLI on tfds's mock data (through jamp.data.testing), so the tfds recipes run offline. sys.argv must be set before
-# jamp.train is imported: ml_collections registers the --config.<field> overrides from it.
+# Runs the CLI on tfds's mock data (through jamp.data.testing), so the tfds recipes run offline.
+# sys.argv must be set before jamp.train is imported: ml_collections reads the overrides from it.
 MOCKED = """
 import sys
 from jamp.data.testing import mock_tfds
@@ -36,20 +36,12 @@ with mock_tfds(num_examples=48):
 """
 
 
-def _env(devices: int = 2) -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    return env
-
-
 def _cli(args, *, mocked=False, devices=2, timeout=600, check=True):
     cmd = [sys.executable, "-c", MOCKED] if mocked else [sys.executable, "-m", "jamp.train"]
     out = subprocess.run(
         cmd + list(args),
         cwd=ROOT,
-        env=_env(devices),
+        env=cli_env(devices),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -142,7 +134,7 @@ def test_train_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, data_dir):
         "--config.checkpoint_every_steps=100000",
     ]
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd, cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         deadline = time.time() + 300
