@@ -1,0 +1,147 @@
+"""Accuracy at equal budget per precision policy: the default recipe (seed CNN, digits) per policy.
+
+    cd /work/main && python experiments/accuracy_digits.py            # 4 policies x 3 seeds, ~4 min
+    cd /work/main && python experiments/accuracy_digits.py --seeds 1 --steps 200   # quick look
+
+Every run is the real training program (`python -m jamp.train`, configs/default.py) with only
+`--config.policy` and `--config.seed` changed, so each policy gets the same data, steps and
+optimizer. It reads each run's metrics.jsonl and writes experiments/results/accuracy_digits_cpu.md
+(final test accuracy per policy and seed, difference to float32) plus two plots: the training loss
+per policy and the loss scale over steps (fp16 with its dynamic scale).
+
+Policies: float32; mixed_bfloat16 and mixed_float16 (fp32 params, 16-bit compute; fp16 with
+jamp's default dynamic loss scale); and all-bf16 ("bfloat16": params, compute and output bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "experiments" / "results"
+POLICIES = ("float32", "mixed_bfloat16", "mixed_float16", "bfloat16")
+
+
+def run(policy: str, seed: int, steps: int, workdir: pathlib.Path, data_dir: str) -> list[dict]:
+    """One training run; returns its metrics.jsonl records."""
+    cmd = [
+        sys.executable, "-m", "jamp.train",
+        f"--config.policy={policy}", f"--config.seed={seed}",
+        f"--config.num_train_steps={steps}", "--config.log_every_steps=10",
+        f"--workdir={workdir}",
+    ]  # fmt: skip
+    if data_dir:
+        cmd.append(f"--config.data_dir={data_dir}")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"{policy} seed {seed} failed:\n{out.stderr[-2000:]}")
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def final_accuracy(records: list[dict]) -> float:
+    return [r for r in records if r["kind"] == "eval"][-1]["accuracy"]
+
+
+def plot(curves: dict, path: pathlib.Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(11, 4))
+    for policy, records in curves.items():
+        train = [r for r in records if r["kind"] == "train"]
+        ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label=policy)
+        if policy == "mixed_float16":
+            ax_scale.plot([r["step"] for r in train], [r["loss_scale"] for r in train])
+    ax_loss.set(yscale="log", xlabel="step", ylabel="training loss (window mean)",
+                title="seed CNN on digits, seed 0")  # fmt: skip
+    ax_loss.legend()
+    ax_scale.set(yscale="log", xlabel="step", ylabel="loss scale",
+                 title="mixed_float16: dynamic loss scale")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=1000, help="the default recipe's 1000")
+    parser.add_argument("--data_dir", default="", help="tfds data_dir (default: tfds's)")
+    parser.add_argument("--out", default=str(RESULTS / "accuracy_digits_cpu.md"))
+    args = parser.parse_args()
+
+    accuracy: dict[str, list[float]] = {p: [] for p in POLICIES}
+    curves = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in range(args.seeds):
+            for policy in POLICIES:
+                records = run(policy, seed, args.steps, pathlib.Path(tmp) / f"{policy}-{seed}",
+                              args.data_dir)  # fmt: skip
+                accuracy[policy].append(final_accuracy(records))
+                if seed == 0:
+                    curves[policy] = records
+                print(f"{policy:15s} seed {seed}: accuracy {accuracy[policy][-1]:.4f}", flush=True)
+
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    png = out.with_suffix(".png")
+    plotted = plot(curves, png)
+    ref = statistics.mean(accuracy["float32"])
+    fp16 = [r for r in curves["mixed_float16"] if r["kind"] == "train"]
+    lines = [
+        "# Test accuracy per policy at equal budget: seed CNN on digits (CPU)",
+        "",
+        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+        f"- command: `python experiments/accuracy_digits.py --seeds {args.seeds} "
+        f"--steps {args.steps}`",
+        f"- machine: {cpu_name()}, {os.cpu_count()} cores, CPU only",
+        f"- recipe: configs/default.py (Adam 1e-3, batch 64, {args.steps} steps), 300 test images;"
+        " one image is 0.33 points",
+        "",
+        "| policy | accuracy per seed | mean | vs float32 (points) |",
+        "|---|---|---|---|",
+    ]
+    for policy, values in accuracy.items():
+        mean = statistics.mean(values)
+        lines.append(
+            f"| {policy} | {', '.join(f'{v:.4f}' for v in values)} | {mean:.4f} "
+            f"| {100 * (mean - ref):+.2f} |"
+        )
+    lines += [
+        "",
+        f"mixed_float16, seed 0: loss scale {fp16[0]['loss_scale']:g} at step {fp16[0]['step']}, "
+        f"{fp16[-1]['loss_scale']:g} at step {fp16[-1]['step']}; "
+        f"{fp16[-1]['skipped_steps']} skipped steps.",
+    ]
+    if plotted:
+        lines += ["", f"![loss and loss scale]({png.name})"]
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
