@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -168,6 +169,122 @@ def _conv_bwd(params, compute_dtype, out_dtype, residuals, g):
 _mixed_conv.defvjp(_conv_fwd, _conv_bwd)
 
 
+# ----- convolutions with few input channels, as one matmul over extracted patches (CPU)
+
+# XLA:CPU has no 16-bit convolution kernel: it upcasts and runs its fp32 convolution, which is
+# slow when the input has few channels (an image net's first layer). There, extracting the
+# patches and running one bf16 x bf16 -> fp32 matmul is 2-5x faster forward and backward
+# (experiments/results/conv_lowering_cpu.md); with more channels the patch matrix grows with the
+# window size, and on this memory-bound CPU the native convolution wins, so the lowering stops at:
+_PATCH_MAX_CHANNELS = 3
+
+
+def _patch_lowerable(lhs, rhs, params) -> bool:
+    dn = params["dimension_numbers"]
+    spatial = len(dn.lhs_spec) - 2
+    return (
+        jax.default_backend() == "cpu"
+        and spatial >= 1
+        and params["feature_group_count"] == 1
+        and params["batch_group_count"] == 1
+        and all(d == 1 for d in params["lhs_dilation"])
+        and all(d == 1 for d in params["rhs_dilation"])
+        and all(lo >= 0 and hi >= 0 for lo, hi in params["padding"])
+        and lhs.shape[dn.lhs_spec[1]] <= _PATCH_MAX_CHANNELS
+    )
+
+
+def _window_offsets(window):
+    return list(itertools.product(*(range(k) for k in window)))
+
+
+def _extract_patches(x, window, strides, padding):
+    """[N, *S, C] -> [N, *O, prod(window) * C]: window offsets major, channels minor."""
+    zero = jnp.zeros((), x.dtype)
+    xp = lax.pad(x, zero, [(0, 0, 0)] + [(lo, hi, 0) for lo, hi in padding] + [(0, 0, 0)])
+    out = [(xp.shape[1 + d] - k) // s + 1 for d, (k, s) in enumerate(zip(window, strides))]
+    cols = []
+    for offs in _window_offsets(window):
+        start = (0,) + offs + (0,)
+        limit = (x.shape[0],) + tuple(o + (n - 1) * s + 1 for o, n, s in zip(offs, out, strides))
+        cols.append(lax.slice(xp, start, limit + (x.shape[-1],), (1,) + tuple(strides) + (1,)))
+    return jnp.concatenate(cols, axis=-1)
+
+
+def _scatter_patches(d_patches, x_shape, window, strides, padding):
+    """The transpose of `_extract_patches`: sums each patch entry back onto its input position."""
+    n, *spatial, c = x_shape
+    out = d_patches.shape[1:-1]
+    d_patches = d_patches.reshape(d_patches.shape[:-1] + (len(_window_offsets(window)), c))
+    padded = [s + lo + hi for s, (lo, hi) in zip(spatial, padding)]
+    zero = jnp.zeros((), d_patches.dtype)
+    total = None
+    for k, offs in enumerate(_window_offsets(window)):
+        config = [(0, 0, 0)]
+        for o, m, s, p in zip(offs, out, strides, padded):
+            config.append((o, p - o - (m - 1) * s - 1, s - 1))
+        piece = lax.pad(d_patches[..., k, :], zero, config + [(0, 0, 0)])
+        total = piece if total is None else total + piece
+    start = (0,) + tuple(lo for lo, _ in padding) + (0,)
+    return lax.slice(total, start, tuple(a + b for a, b in zip(start, x_shape)))
+
+
+def _channels_last_perms(dn):
+    # Transposes taking lhs to [N, *S, C], rhs to [*window, I, O], the result to [N, *S, C].
+    lhs = (dn.lhs_spec[0],) + tuple(dn.lhs_spec[2:]) + (dn.lhs_spec[1],)
+    rhs = tuple(dn.rhs_spec[2:]) + (dn.rhs_spec[1], dn.rhs_spec[0])
+    out = (dn.out_spec[0],) + tuple(dn.out_spec[2:]) + (dn.out_spec[1],)
+    return lhs, rhs, out
+
+
+_MM = (((1,), (0,)), ((), ()))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _patch_conv(lhs, rhs, params, compute_dtype, out_dtype):
+    return _patch_conv_fwd(lhs, rhs, params, compute_dtype, out_dtype)[0]
+
+
+def _patch_conv_fwd(lhs, rhs, params, compute_dtype, out_dtype):
+    p = dict(params)
+    to_lhs, to_rhs, to_out = _channels_last_perms(p["dimension_numbers"])
+    x = lax.transpose(lhs.astype(compute_dtype), to_lhs)
+    w = lax.transpose(rhs.astype(compute_dtype), to_rhs)
+    patches = _extract_patches(x, w.shape[:-2], p["window_strides"], p["padding"])
+    w2 = w.reshape(-1, w.shape[-1])
+    out = _canonical_matmul(patches.reshape(-1, w2.shape[0]), w2, _MM)
+    out = out.reshape(patches.shape[:-1] + (w2.shape[1],))
+    out = lax.transpose(out, _inverse_permutation(to_out)).astype(out_dtype)
+    # Zero-size arrays carry the input's channels-last shape and the operands' dtypes.
+    shape_like = jnp.zeros((0,) + x.shape, lhs.dtype)
+    return out, (patches, w, shape_like, jnp.zeros((0,), rhs.dtype))
+
+
+def _patch_conv_bwd(params, compute_dtype, out_dtype, residuals, g):
+    del out_dtype
+    p = dict(params)
+    to_lhs, to_rhs, to_out = _channels_last_perms(p["dimension_numbers"])
+    patches, w, lhs_like, rhs_like = residuals
+    g2 = lax.transpose(g.astype(compute_dtype), to_out).reshape(-1, w.shape[-1])
+    p2 = patches.reshape(-1, patches.shape[-1])
+    # Both products take 16-bit operands and return fp32; the scatter back sums in fp32.
+    d_w = _canonical_matmul(p2, g2, (((0,), (0,)), ((), ()))).reshape(w.shape)
+    d_patches = _canonical_matmul(g2, w.reshape(-1, w.shape[-1]), (((1,), (1,)), ((), ())))
+    d_x = _scatter_patches(
+        d_patches.reshape(patches.shape),
+        lhs_like.shape[1:],
+        w.shape[:-2],
+        p["window_strides"],
+        p["padding"],
+    )
+    d_lhs = lax.transpose(d_x, _inverse_permutation(to_lhs)).astype(lhs_like.dtype)
+    d_rhs = lax.transpose(d_w, _inverse_permutation(to_rhs)).astype(rhs_like.dtype)
+    return d_lhs, d_rhs
+
+
+_patch_conv.defvjp(_patch_conv_fwd, _patch_conv_bwd)
+
+
 def mixed_conv(lhs, rhs, params, compute_dtype, out_dtype):
     """`lax.conv_general_dilated` on operands cast to `compute_dtype`.
 
@@ -182,4 +299,6 @@ def mixed_conv(lhs, rhs, params, compute_dtype, out_dtype):
       The convolution, in `out_dtype`; gradients come back in the operands' own dtypes.
     """
     frozen = tuple(sorted((k, v) for k, v in params.items() if k != "preferred_element_type"))
+    if _patch_lowerable(lhs, rhs, params):
+        return _patch_conv(lhs, rhs, frozen, np.dtype(compute_dtype), np.dtype(out_dtype))
     return _mixed_conv(lhs, rhs, frozen, np.dtype(compute_dtype), np.dtype(out_dtype))

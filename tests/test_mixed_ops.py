@@ -1,0 +1,187 @@
+"""jamp.mixed_ops: the mixed matmul and convolution against plain autodiff on rounded operands."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from jamp import mixed_ops
+
+BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
+
+
+def _conv_params(lhs, rhs, **kwargs):
+    """The conv_general_dilated primitive's parameters, as jamp.autocast sees them."""
+    jaxpr = jax.make_jaxpr(lambda a, b: lax.conv_general_dilated(a, b, **kwargs))(lhs, rhs)
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "conv_general_dilated"]
+    return dict(eqn.params)
+
+
+# (lhs shape, rhs shape, conv_general_dilated keywords): NHWC and NCHW layouts, strides, uneven
+# padding, 1-D and 1x1 convolutions. Channels <= 4 take the patch-matmul lowering on CPU.
+CASES = {
+    "nhwc_3x3_same": (
+        (2, 9, 9, 3),
+        (3, 3, 3, 5),
+        dict(
+            window_strides=(1, 1),
+            padding=((1, 1), (1, 1)),
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        ),
+    ),
+    "nchw_strided_uneven": (
+        (2, 4, 11, 10),
+        (6, 4, 3, 2),
+        dict(
+            window_strides=(2, 3),
+            padding=((0, 2), (1, 0)),
+            dimension_numbers=("NCHW", "OIHW", "NCHW"),
+        ),
+    ),
+    "conv1d_valid": (
+        (3, 17, 1),
+        (5, 1, 4),
+        dict(window_strides=(2,), padding=((0, 0),), dimension_numbers=("NWC", "WIO", "NWC")),
+    ),
+    "one_by_one": (
+        (2, 5, 5, 2),
+        (1, 1, 2, 7),
+        dict(
+            window_strides=(1, 1),
+            padding=((0, 0), (0, 0)),
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        ),
+    ),
+    "many_channels_native": (
+        (2, 6, 6, 9),
+        (3, 3, 9, 4),
+        dict(
+            window_strides=(1, 1),
+            padding=((1, 1), (1, 1)),
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        ),
+    ),
+}
+
+
+def _inputs(case):
+    lhs_shape, rhs_shape, kwargs = CASES[case]
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    lhs = jax.random.normal(k1, lhs_shape)
+    rhs = jax.random.normal(k2, rhs_shape) * 0.3
+    out = jax.eval_shape(lambda a, b: lax.conv_general_dilated(a, b, **kwargs), lhs, rhs)
+    cot = jax.random.normal(k3, out.shape)
+    return lhs, rhs, cot, kwargs
+
+
+def _reference(lhs, rhs, cot, kwargs, compute):
+    """fp32 autodiff of the convolution of operands (and cotangent) rounded to `compute`."""
+
+    def rnd(x):
+        return x.astype(compute).astype(F32)
+
+    def conv(a, b):
+        return lax.conv_general_dilated(a, b, precision=lax.Precision.HIGHEST, **kwargs)
+
+    out, vjp = jax.vjp(conv, rnd(lhs), rnd(rhs))
+    return out, vjp(rnd(cot))
+
+
+def _mixed(lhs, rhs, cot, kwargs, compute):
+    params = _conv_params(lhs, rhs, **kwargs)
+    out, vjp = jax.vjp(lambda a, b: mixed_ops.mixed_conv(a, b, params, compute, F32), lhs, rhs)
+    return out, vjp(cot)
+
+
+@pytest.mark.parametrize("compute", [BF16, F16])
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("jit", [False, True])
+def test_mixed_conv_matches_autodiff_of_rounded_operands(case, compute, jit):
+    lhs, rhs, cot, kwargs = _inputs(case)
+    run = jax.jit(_mixed, static_argnums=(3, 4)) if jit else _mixed
+    out, (d_lhs, d_rhs) = run(lhs, rhs, cot, _Hashable(kwargs), compute)
+    ref_out, (ref_lhs, ref_rhs) = _reference(lhs, rhs, cot, kwargs, compute)
+    assert out.dtype == F32 and d_lhs.dtype == F32 and d_rhs.dtype == F32
+    assert out.shape == ref_out.shape and d_lhs.shape == lhs.shape and d_rhs.shape == rhs.shape
+    # The forward sums exact products of rounded operands in fp32: equal up to summation order.
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+    # Backward: the patch lowering returns fp32 sums; the native path rounds results to `compute`.
+    tol = 1e-5 if _lowered(lhs, rhs, kwargs) else 1.5 * float(jnp.finfo(compute).eps)
+    for got, ref in ((d_lhs, ref_lhs), (d_rhs, ref_rhs)):
+        scale = float(jnp.max(jnp.abs(ref)))
+        assert float(jnp.max(jnp.abs(got - ref))) <= tol * scale, case
+
+
+def _lowered(lhs, rhs, kwargs):
+    return mixed_ops._patch_lowerable(lhs, rhs, _conv_params(lhs, rhs, **kwargs))
+
+
+class _Hashable(dict):
+    """A dict usable as a static jit argument in these tests."""
+
+    def __hash__(self):
+        return hash(repr(sorted(self.items())))
+
+
+def test_patch_lowering_is_chosen_for_few_channels_only():
+    chosen = {case: _lowered(*_inputs(case)[:2], CASES[case][2]) for case in CASES}
+    assert chosen == {
+        "nhwc_3x3_same": True,
+        "nchw_strided_uneven": True,
+        "conv1d_valid": True,
+        "one_by_one": True,
+        "many_channels_native": False,
+    }
+
+
+@pytest.mark.parametrize("case", ["nhwc_3x3_same", "nchw_strided_uneven"])
+def test_patch_lowering_runs_every_product_on_compute_dtype_operands(case):
+    lhs, rhs, cot, kwargs = _inputs(case)
+    params = _conv_params(lhs, rhs, **kwargs)
+
+    def loss(a, b):
+        return jnp.sum(mixed_ops.mixed_conv(a, b, params, BF16, F32) * cot)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(lhs, rhs).jaxpr
+    prims = [e.primitive.name for e in jaxpr.eqns]
+    assert "conv_general_dilated" not in prims
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 3  # forward, weight gradient, patch gradient
+    for e in dots:
+        assert [np.dtype(v.aval.dtype) for v in e.invars] == [BF16, BF16]
+        assert np.dtype(e.outvars[0].aval.dtype) == F32
+
+
+def test_patch_lowering_gradients_come_back_in_operand_dtypes():
+    lhs, rhs, cot, kwargs = _inputs("nhwc_3x3_same")
+    params = _conv_params(lhs, rhs, **kwargs)
+    out, vjp = jax.vjp(
+        lambda a, b: mixed_ops.mixed_conv(a, b, params, BF16, BF16),
+        lhs.astype(F16),
+        rhs,
+    )
+    d_lhs, d_rhs = vjp(cot.astype(BF16))
+    assert (out.dtype, d_lhs.dtype, d_rhs.dtype) == (BF16, F16, F32)
+
+
+@pytest.mark.parametrize("compute", [BF16, F16])
+def test_mixed_dot_general_matches_autodiff_of_rounded_operands(compute):
+    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+    lhs = jax.random.normal(k1, (3, 4, 6, 5))  # batch 3, free 4 and 5 / contract 6
+    rhs = jax.random.normal(k2, (6, 3, 7))  # contract 6, batch 3, free 7
+    dims = (((2,), (0,)), ((0,), (1,)))
+    cot = jax.random.normal(k3, (3, 4, 5, 7))
+
+    def rnd(x):
+        return x.astype(compute).astype(F32)
+
+    ref_out, ref_vjp = jax.vjp(
+        lambda a, b: lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST),
+        rnd(lhs),
+        rnd(rhs),
+    )
+    out, vjp = jax.vjp(lambda a, b: mixed_ops.mixed_dot_general(a, b, dims, compute, F32), lhs, rhs)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+    for got, ref in zip(vjp(cot), ref_vjp(rnd(cot))):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
