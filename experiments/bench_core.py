@@ -21,22 +21,21 @@ Writes experiments/results/core_cpu.md; text below its "<!-- notes -->" line is 
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
 import os
-import re
 import statistics
 import sys
 import time
 
 import flax
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import jaxlib
 import numpy as np
 import optax
 from _timing import interleaved, ratio_stats
+from _xla import hlo_summary
+from peers_flax import hand_model
 
 from jamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jamp.models import SeedCNN, TransformerLM
@@ -45,60 +44,10 @@ from jamp.step import make_train_step
 from jamp.wrap import wrap
 
 BF16, F32 = jnp.bfloat16, jnp.float32
-HAND = dict(dtype=BF16, param_dtype=F32)  # what a user sets by hand on every layer
 TX = optax.adam(1e-4)
 KEY = jax.random.key(0)
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "core_cpu.md")
 NOTES = "<!-- notes -->"
-
-
-# ----- the same networks as jamp.models, written by hand in bf16 (no jamp)
-
-
-class HandCNN(nn.Module):
-    num_classes: int = 10
-
-    @nn.compact
-    def __call__(self, images_NHWC, train: bool = False):
-        x = images_NHWC.astype(BF16)
-        x = nn.relu(nn.Conv(32, (3, 3), padding=1, **HAND)(x))
-        x = nn.relu(nn.Conv(64, (3, 3), padding=1, **HAND)(x))
-        x = nn.max_pool(x, (2, 2), strides=(2, 2))
-        x = nn.relu(nn.Dense(256, **HAND)(x.reshape(x.shape[0], -1)))
-        return nn.Dense(self.num_classes, **HAND)(x).astype(F32)
-
-
-class HandBlock(nn.Module):
-    num_heads: int
-    mlp_dim: int
-
-    @nn.compact
-    def __call__(self, x, mask):
-        attn = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, deterministic=True, **HAND)
-        x = x + attn(nn.LayerNorm(**HAND)(x), mask=mask)
-        y = nn.Dense(self.mlp_dim, **HAND)(nn.LayerNorm(**HAND)(x))
-        return x + nn.Dense(x.shape[-1], **HAND)(nn.gelu(y))
-
-
-class HandLM(nn.Module):
-    vocab_size: int
-    num_layers: int = 4
-    d_model: int = 256
-    num_heads: int = 4
-    mlp_dim: int = 1024
-    max_len: int = 1024
-
-    @nn.compact
-    def __call__(self, tokens_BL, train: bool = False):
-        embed = nn.Embed(self.vocab_size, self.d_model, **HAND)
-        pos = self.param(
-            "pos_embedding", nn.initializers.normal(0.02), (self.max_len, self.d_model)
-        )
-        x = embed(tokens_BL) + pos[: tokens_BL.shape[1]].astype(BF16)
-        mask = nn.make_causal_mask(tokens_BL)
-        for i in range(self.num_layers):  # named like jamp.models' DecoderBlock_i
-            x = HandBlock(self.num_heads, self.mlp_dim, name=f"DecoderBlock_{i}")(x, mask)
-        return embed.attend(nn.LayerNorm(**HAND)(x)).astype(F32)
 
 
 def make_models(name):
@@ -109,11 +58,15 @@ def make_models(name):
             "x": jnp.asarray(rng.standard_normal((64, 32, 32, 3)), F32),
             "y": jnp.asarray(rng.integers(0, 10, 64), jnp.int32),
         }
-        return SeedCNN(num_classes=10), HandCNN(num_classes=10), batch
+        return SeedCNN(num_classes=10), hand_model("seed_cnn", BF16, 10), batch
     tokens = jnp.asarray(rng.integers(0, 1024, (16, 129)), jnp.int32)
     batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
-    cfg = dict(vocab_size=1024, num_layers=4, d_model=256, num_heads=4, mlp_dim=1024)
-    return TransformerLM(**cfg), HandLM(**cfg), batch
+    cfg = dict(num_layers=4, d_model=256, num_heads=4, mlp_dim=1024)
+    return (
+        TransformerLM(vocab_size=1024, **cfg),
+        hand_model("transformer_lm", BF16, 1024, **cfg),
+        batch,
+    )
 
 
 def make_loss(apply_fn):
@@ -124,37 +77,6 @@ def make_loss(apply_fn):
         return loss, (model_state, {})
 
     return loss_fn
-
-
-# ----- XLA's view of a compiled step
-
-
-def hlo_summary(text: str) -> str:
-    """Counts dots / convolutions by operand dtypes and by whether they run in a YNN fusion."""
-    types, comp_of, ynn_comps, ops = {}, {}, set(), []
-    comp = None
-    for line in text.splitlines():
-        head = re.match(r"^(?:ENTRY )?%(\S+) \(.*\{$", line)
-        if head:
-            comp = head.group(1)
-            continue
-        m = re.match(r"\s*(?:ROOT )?%(\S+) = (\w+)\[.*?\]\S* (\w+)\((.*?)\)", line)
-        if not m:
-            continue
-        name, dtype, op, args = m.groups()
-        types[name], comp_of[name] = dtype, comp
-        if op == "fusion" and "__ynn_fusion" in line:
-            ynn_comps.add(re.search(r"calls=%(\S+?),", line).group(1))
-        if op in ("dot", "convolution", "convert"):
-            ops.append((name, op, dtype, [a.strip().lstrip("%") for a in args.split(",")]))
-    counts = collections.Counter()
-    for name, op, out, args in ops:
-        if op == "convert":
-            counts["convert"] += 1
-            continue
-        where = "ynn" if comp_of[name] in ynn_comps else "xla"
-        counts[f"{op} {'x'.join(types.get(a, '?') for a in args)}->{out} {where}"] += 1
-    return "; ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
 
 
 # ----- building, compiling and running the variants

@@ -1,0 +1,490 @@
+"""The benchmark suite: speed, compile time and memory per precision policy, beside the peers.
+
+    python experiments/suite.py            # this machine's full suite (CPU here: ~15 min)
+    python experiments/suite.py --quick    # smoke run, a few minutes, writes nothing
+
+For the seed CNN, a CIFAR ResNet-20 and the Transformer LM (and, on a GPU, a GPT-2-small-sized
+LM at sequence length 1024) it times one full jitted train step (jamp.step.make_train_step with
+Adam, fp32 master weights, donated state) of every variant, interleaved in rounds
+(experiments/_timing.py) so that ratios are taken within a round:
+
+  float32          the jamp.models network as written, default matmul precision (GPU: TF32)
+  float32_highest  GPU only: the same with jax_default_matmul_precision="highest" (true fp32)
+  mixed_bfloat16   jamp.wrap(model, "mixed_bfloat16")
+  mixed_float16    jamp.wrap(model, "mixed_float16") with a DynamicLossScale
+  bfloat16         jamp.wrap(model, "bfloat16"): bf16 params, compute and output (no fp32 master)
+  flax_bf16        the network written in plain Flax with dtype=bf16 on every layer (peers_flax.py)
+  torch_*          the network in PyTorch: fp32, torch.autocast(bfloat16), torch.autocast(float16)
+                   + GradScaler (peers_torch.py; skipped with a note when torch is not installed)
+
+plus, compiled but not timed, mixed_float16 without loss scaling (the compile-time control). Per
+variant it reports step time, examples/s, speed-up over its own framework's fp32 (median of
+per-round ratios), lower+compile time, XLA's memory analysis (temporary, argument, output bytes)
+and achieved FLOP/s (XLA's cost analysis of the fp32 step; MFU against the chip's peak on GPUs).
+
+Writes experiments/results/<machine>.md and <machine>.png (speed-up and memory per policy). The
+accuracy half of the suite (loss curves and loss scale per policy at equal budget) lives in
+experiments/accuracy_digits.py and experiments/accuracy_lm.py; `--accuracy` runs them too, and
+their results are summarised in the same file when present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+import flax
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+import optax
+from _timing import interleaved, ratio_stats
+from _xla import cpu_description, hlo_summary, machine_name
+from peers_flax import hand_model
+
+from jamp.loss_scale import DynamicLossScale, NoOpLossScale
+from jamp.models import get_model, model_task
+from jamp.state import TrainState
+from jamp.step import make_train_step
+from jamp.tasks import make_loss_fn
+from jamp.wrap import wrap
+
+HERE = pathlib.Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+TX = optax.adam(1e-4)
+KEY = jax.random.key(0)
+POLICIES = ("float32", "mixed_bfloat16", "mixed_float16", "bfloat16")
+# Dense peak FLOP/s of the chips we have run on, for MFU (vendor datasheets, without sparsity).
+PEAK_FLOPS = {
+    "NVIDIA H200": {"bfloat16": 989e12, "float16": 989e12, "tf32": 494e12, "float32": 67e12},
+    "NVIDIA H100 80GB HBM3": {
+        "bfloat16": 989e12,
+        "float16": 989e12,
+        "tf32": 494e12,
+        "float32": 67e12,
+    },
+}
+
+
+@dataclasses.dataclass
+class Workload:
+    label: str
+    model: str
+    batch_size: int
+    model_config: dict
+    steps: int  # steps per variant per round
+    image_size: int = 32
+    seq_len: int = 128
+    vocab: int = 256
+
+    @property
+    def task(self):
+        return model_task(self.model)
+
+    def batch(self):
+        rng = np.random.default_rng(0)
+        if self.task == "lm":
+            tokens = rng.integers(0, self.vocab, (self.batch_size, self.seq_len + 1))
+            return {"tokens": tokens.astype(np.int32)}
+        shape = (self.batch_size, self.image_size, self.image_size, 3)
+        return {
+            "image": rng.standard_normal(shape).astype(np.float32),
+            "label": rng.integers(0, 10, self.batch_size).astype(np.int32),
+        }
+
+    def num_classes(self):
+        return self.vocab if self.task == "lm" else 10
+
+    def examples_per_step(self):
+        # Tokens for language models, images otherwise.
+        return self.batch_size * (self.seq_len if self.task == "lm" else 1)
+
+
+def workloads(on_gpu: bool, quick: bool) -> list[Workload]:
+    lm = dict(num_layers=4, d_model=256, num_heads=4, mlp_dim=1024)
+    scale = 4 if on_gpu else 1
+    out = [
+        Workload("seed CNN, CIFAR 32x32x3", "seed_cnn", 64 * scale, {}, steps=6),
+        Workload("ResNet-20 (BatchNorm), CIFAR 32x32x3", "resnet20", 64 * scale, {}, steps=3),
+        Workload("Transformer LM 4 x 256, seq 128", "transformer_lm", 16 * scale, lm, steps=6),
+    ]
+    if on_gpu:
+        gpt2 = dict(num_layers=12, d_model=768, num_heads=12, mlp_dim=3072, max_len=1024)
+        out.append(
+            Workload(
+                "GPT-2-small-sized LM 12 x 768, seq 1024",
+                "transformer_lm",
+                16,
+                gpt2,
+                steps=5,
+                seq_len=1024,
+                vocab=50304,
+            )
+        )
+    if quick:
+        for w in out:
+            w.steps = 1
+    return out
+
+
+# ----- JAX variants
+
+
+def jax_variants(w: Workload, on_gpu: bool) -> dict:
+    """name -> (module, loss-scale factory, matmul precision or None, timed?)."""
+    model = get_model(w.model, w.num_classes(), **w.model_config)
+    out = {"float32": (model, NoOpLossScale, None, True)}
+    if on_gpu:
+        out["float32_highest"] = (model, NoOpLossScale, "highest", True)
+    out["mixed_bfloat16"] = (wrap(model, "mixed_bfloat16"), NoOpLossScale, None, True)
+    out["mixed_float16"] = (wrap(model, "mixed_float16"), DynamicLossScale, None, True)
+    out["bfloat16"] = (wrap(model, "bfloat16"), NoOpLossScale, None, True)
+    out["flax_bf16"] = (
+        hand_model(w.model, jnp.bfloat16, w.num_classes(), **w.model_config),
+        NoOpLossScale,
+        None,
+        True,
+    )
+    out["mixed_float16_noscale"] = (wrap(model, "mixed_float16"), NoOpLossScale, None, False)
+    return out
+
+
+def compile_variant(w, module, loss_scale, precision, batch, reps):
+    variables = module.init(KEY, _inputs(w, batch))
+    params = variables["params"]
+    model_state = {k: v for k, v in variables.items() if k != "params"}
+    state = TrainState.create(params, TX, model_state=model_state, loss_scale=loss_scale())
+    step = jax.jit(make_train_step(make_loss_fn(module, w.task), TX), donate_argnums=0)
+    seconds = []
+    for _ in range(reps):  # the fastest of `reps` fresh compiles: compile time is load-sensitive
+        jax.clear_caches()
+        t0 = time.perf_counter()
+        scope = jax.default_matmul_precision(precision) if precision else contextlib.nullcontext()
+        with scope:
+            compiled = step.lower(state, batch, KEY).compile()
+        seconds.append(time.perf_counter() - t0)
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return {
+        "compiled": compiled,
+        "state": state,
+        "compile_s": min(seconds),
+        "temp": mem.temp_size_in_bytes,
+        "args": mem.argument_size_in_bytes,
+        "out": mem.output_size_in_bytes,
+        "flops": float((cost or {}).get("flops", 0.0)),
+        "hlo": hlo_summary(compiled.as_text()),
+    }
+
+
+def _inputs(w, batch):
+    return batch["tokens"][:, :-1] if w.task == "lm" else batch["image"]
+
+
+def jax_runner(info, batch):
+    box = [info["state"]]
+
+    def run():
+        box[0], metrics = info["compiled"](box[0], batch, KEY)
+        return metrics
+
+    return run
+
+
+# ----- PyTorch variants
+
+
+def torch_runners(w: Workload, batch_np) -> tuple[dict, str]:
+    try:
+        import peers_torch
+    except ImportError as e:  # the module itself imports torch lazily; this is belt and braces
+        return {}, f"PyTorch peer not importable ({e})"
+    ok, why = peers_torch.available()
+    if not ok:
+        return {}, why
+    runners, notes = {}, []
+    for policy in ("float32", "mixed_bfloat16", "mixed_float16"):
+        try:
+            config = dict(w.model_config, vocab_size=w.vocab) if w.task == "lm" else {}
+            runners[f"torch_{policy}"] = peers_torch.make_step(w.model, policy, batch_np, **config)
+        except Exception as e:  # noqa: BLE001 - reported as a skip in the results
+            notes.append(f"torch {policy} skipped: {str(e).splitlines()[0]}")
+    return runners, "; ".join(notes)
+
+
+# ----- one workload
+
+
+def bench(w: Workload, rounds: int, on_gpu: bool, with_torch: bool, compile_reps: int) -> dict:
+    batch_np = w.batch()
+    batch = jax.tree.map(jnp.asarray, batch_np)
+    info = {}
+    for name, (module, loss_scale, precision, timed) in jax_variants(w, on_gpu).items():
+        print(f"[{w.model}] compiling {name} ...", flush=True)
+        info[name] = compile_variant(w, module, loss_scale, precision, batch, compile_reps)
+        info[name].update(framework="jax", timed=timed)
+    runners = {n: jax_runner(i, batch) for n, i in info.items() if i["timed"]}
+    note = "PyTorch peer not requested (--no-torch)"
+    if with_torch:
+        extra, note = torch_runners(w, batch_np)
+        for name, run in extra.items():
+            info[name] = {"framework": "torch", "timed": True}
+            runners[name] = run
+    for name, run in runners.items():  # warm up, and check every variant trains
+        losses = [float(_loss_of(run())) for _ in range(3)]
+        info[name]["losses"] = losses
+        if not np.all(np.isfinite(losses)):
+            print(f"[{w.model}] WARNING {name}: non-finite losses {losses}", flush=True)
+    print(f"[{w.model}] timing {len(runners)} variants, {rounds} rounds x {w.steps} steps",
+          flush=True)  # fmt: skip
+    times = interleaved(runners, rounds, w.steps)
+    for name, t in times.items():
+        info[name]["times"] = t
+    return {"workload": w, "info": info, "torch_note": note}
+
+
+def _loss_of(out):
+    return out["loss"] if isinstance(out, dict) else out
+
+
+# ----- reporting
+
+
+def _ms(times):
+    return 1e3 * statistics.median(times)
+
+
+def _ratio(stats):
+    med, lo, hi = stats
+    return f"{med:.2f} [{lo:.2f}-{hi:.2f}]"
+
+
+def speedups(result) -> dict:
+    """name -> (median, min, max) of per-round fp32_time / variant_time (own framework's fp32)."""
+    info, out = result["info"], {}
+    for name, i in info.items():
+        if "times" not in i:
+            continue
+        base = "torch_float32" if i["framework"] == "torch" else "float32"
+        if base in info and "times" in info[base]:
+            med, lo, hi = ratio_stats(i["times"], info[base]["times"])
+            out[name] = (1 / med, 1 / hi, 1 / lo)
+    return out
+
+
+def _peak(policy_name):
+    kind = jax.devices()[0].device_kind
+    peaks = PEAK_FLOPS.get(kind)
+    if not peaks:
+        return None
+    if policy_name == "float32":
+        return peaks["tf32"]
+    if policy_name == "float32_highest":
+        return peaks["float32"]
+    return peaks["float16"] if "float16" in policy_name else peaks["bfloat16"]
+
+
+def model_table(result) -> list[str]:
+    w, info = result["workload"], result["info"]
+    unit = "tokens/s" if w.task == "lm" else "images/s"
+    work = info["float32"]["flops"]  # XLA's count for the fp32 step: the model's work per step
+    ups = speedups(result)
+    rows = [
+        f"### {w.label}, batch {w.batch_size}",
+        "",
+        f"| variant | step ms | {unit} | speed-up vs own fp32 | compile s | temp MiB | args MiB "
+        "| out MiB | TFLOP/s (MFU) | loss, 3 warm-up steps |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, i in info.items():
+        if "times" in i:
+            ms = _ms(i["times"])
+            rate = f"{w.examples_per_step() / ms * 1e3:,.0f}"
+            up = _ratio(ups[name]) if name in ups else "-"
+            tflops = work / ms * 1e3 / 1e12
+            peak = _peak(name) if i["framework"] == "jax" else None
+            flops = f"{tflops:.3f}" + (f" ({tflops * 1e12 / peak:.0%})" if peak else "")
+            losses = " → ".join(f"{x:.4f}" for x in (i["losses"][0], i["losses"][-1]))
+        else:
+            ms_txt = "not timed"
+            rate = up = flops = losses = "-"
+        row = [name, f"{ms:.1f}" if "times" in i else ms_txt, rate, up]
+        if i["framework"] == "jax":
+            row += [f"{i['compile_s']:.2f}"] + [
+                f"{i[k] / 2**20:.1f}" for k in ("temp", "args", "out")
+            ]
+        else:
+            row += ["-", "-", "-", "-"]
+        rows.append("| " + " | ".join(row + [flops, losses]) + " |")
+    rows += ["", f"PyTorch: {result['torch_note'] or 'all three variants ran'}.", ""]
+    rows += ["XLA ops (operand dtypes -> result; ynn = inside a YNNPACK fusion):", ""]
+    rows += [f"- {n}: {i['hlo']}" for n, i in info.items() if i["framework"] == "jax"]
+    return rows + [""]
+
+
+def headline(results) -> list[str]:
+    rows = [
+        "| workload | mixed_bf16 speed-up | mixed_bf16 temp / fp32 | mixed_f16 (dynamic scale) "
+        "speed-up | compile: scaled / unscaled f16 | jamp mixed_bf16 vs flax_bf16 (time) "
+        "| jamp mixed_bf16 vs torch bf16 autocast (time) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        info, ups = r["info"], speedups(r)
+        bf, f16 = info["mixed_bfloat16"], info["mixed_float16"]
+        temp = bf["temp"] / max(info["float32"]["temp"], 1)
+        comp = f16["compile_s"] / info["mixed_float16_noscale"]["compile_s"]
+        hand = _ratio(ratio_stats(bf["times"], info["flax_bf16"]["times"]))
+        torch = "-"
+        if "torch_mixed_bfloat16" in info:
+            torch = _ratio(ratio_stats(bf["times"], info["torch_mixed_bfloat16"]["times"]))
+        rows.append(
+            f"| {r['workload'].label} | {_ratio(ups['mixed_bfloat16'])} | {temp:.2f} "
+            f"| {_ratio(ups['mixed_float16'])} | {comp:.2f} | {hand} | {torch} |"
+        )
+    return rows
+
+
+def plot(results, path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax_up, ax_mem) = plt.subplots(1, 2, figsize=(13, 4.5))
+    names = [w["workload"].label.split(",")[0] for w in results]
+    variants = [
+        "mixed_bfloat16",
+        "mixed_float16",
+        "bfloat16",
+        "flax_bf16",
+        "torch_mixed_bfloat16",
+        "torch_mixed_float16",
+    ]
+    width = 0.8 / len(variants)
+    for k, v in enumerate(variants):
+        ups = [speedups(r).get(v, (np.nan,))[0] for r in results]
+        ax_up.bar(np.arange(len(results)) + k * width, ups, width, label=v)
+    ax_up.axhline(1.0, color="k", lw=0.8)
+    ax_up.set(xticks=np.arange(len(results)) + 0.4 - width / 2, xticklabels=names,
+              ylabel="speed-up over own framework's fp32", title="step speed-up per policy")  # fmt: skip
+    ax_up.legend(fontsize=8)
+    mem_variants = ["float32", "mixed_bfloat16", "mixed_float16", "bfloat16", "flax_bf16"]
+    width = 0.8 / len(mem_variants)
+    for k, v in enumerate(mem_variants):
+        temps = [r["info"][v]["temp"] / 2**20 for r in results]
+        ax_mem.bar(np.arange(len(results)) + k * width, temps, width, label=v)
+    ax_mem.set(xticks=np.arange(len(results)) + 0.4 - width / 2, xticklabels=names,
+               ylabel="MiB", title="XLA temporary memory of the train step")  # fmt: skip
+    ax_mem.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return True
+
+
+def accuracy_section() -> list[str]:
+    rows = ["## Accuracy at equal budget", ""]
+    found = False
+    for stem, what in (("accuracy_digits_cpu", "seed CNN on digits"),
+                       ("accuracy_lm_cpu", "Transformer LM on pydoc text")):  # fmt: skip
+        md = RESULTS / f"{stem}.md"
+        if md.exists():
+            found = True
+            rows.append(f"- {what}: [{stem}.md]({stem}.md), loss curves and loss scale in "
+                        f"[{stem}.png]({stem}.png)")  # fmt: skip
+    if not found:
+        rows.append("- not run yet: `python experiments/suite.py --accuracy`")
+    return rows + [""]
+
+
+def environment(args, elapsed) -> list[str]:
+    device = jax.devices()[0]
+    where = cpu_description() if device.platform == "cpu" else device.device_kind
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = "not installed"
+    precision = jax.config.jax_default_matmul_precision or "default"
+    fp32_note = (
+        "true fp32 on CPU (XLA:CPU has no TF32 or bf16-pass modes)"
+        if device.platform == "cpu"
+        else "TF32 on this GPU; float32_highest is true fp32"
+    )
+    return [
+        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+        f"- command: `python experiments/{' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:])}`",
+        f"- machine: {where}; {jax.device_count()} {device.platform} device(s), "
+        f"{os.cpu_count()} host cores; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+        f"- versions: jax {jax.__version__}, jaxlib {jaxlib.__version__}, flax {flax.__version__}, "
+        f"optax {optax.__version__}, torch {torch_version}, Python {sys.version.split()[0]}",
+        f"- fp32 baselines: jax matmul precision {precision!r} ({fp32_note}); PyTorch "
+        "`torch.set_float32_matmul_precision('highest')`",
+        f"- {args.rounds} interleaved rounds; ratios are medians of per-round ratios [min-max]; "
+        f"step ms is the median over rounds; compile s is the fastest of 2 fresh compiles; total wall time {elapsed / 60:.1f} min",
+    ]
+
+
+def run_accuracy():
+    for script in ("accuracy_digits.py", "accuracy_lm.py"):
+        print(f"running {script} ...", flush=True)
+        subprocess.run([sys.executable, str(HERE / script)], check=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=None, help="default 9 (CPU), 7 (GPU)")
+    parser.add_argument("--models", default="", help="comma-separated model names to keep")
+    parser.add_argument("--no-torch", action="store_true", help="leave out the PyTorch peer")
+    parser.add_argument("--accuracy", action="store_true", help="also run the accuracy scripts")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 1 step, writes nothing")
+    parser.add_argument("--out", default=None, help="results file stem (default: machine name)")
+    args = parser.parse_args()
+    on_gpu = jax.default_backend() == "gpu"
+    args.rounds = 2 if args.quick else (args.rounds or (7 if on_gpu else 9))
+    start = time.perf_counter()
+    results = []
+    for w in workloads(on_gpu, args.quick):
+        if args.models and w.model not in args.models.split(","):
+            continue
+        results.append(bench(w, args.rounds, on_gpu, not args.no_torch, 1 if args.quick else 2))
+    if args.accuracy:
+        run_accuracy()
+    lines = [f"# jamp benchmark suite: {machine_name()}", ""]
+    lines += environment(args, time.perf_counter() - start)
+    lines += ["", "## Headline", ""] + headline(results) + ["", "## Per workload", ""]
+    for r in results:
+        lines += model_table(r)
+    lines += accuracy_section()
+    text = "\n".join(lines) + "\n"
+    print("\n" + text)
+    if args.quick:
+        return
+    stem = args.out or machine_name()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    notes = RESULTS / f"{stem}.md"
+    kept = ""
+    if notes.exists() and "<!-- notes -->" in notes.read_text():
+        old = notes.read_text()
+        kept = old[old.index("<!-- notes -->") :]
+    if plot(results, RESULTS / f"{stem}.png"):
+        text += f"\n![speed-up and memory per policy]({stem}.png)\n"
+    notes.write_text(text + ("\n" + kept if kept else ""))
+    print("wrote", notes)
+
+
+if __name__ == "__main__":
+    main()
