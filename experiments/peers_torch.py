@@ -251,13 +251,13 @@ def _set_threads() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
 
 
-def _inputs(model: str, batch: dict) -> tuple:
+def _inputs(model: str, batch: dict, channels_last: bool) -> tuple:
     """(network input, targets) as torch tensors, created once."""
     if model == "transformer_lm":
         tokens = torch.from_numpy(np.asarray(batch["tokens"], np.int64))
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     images = torch.from_numpy(np.asarray(batch["image"], np.float32)).permute(0, 3, 1, 2)
-    fmt = torch.channels_last if CHANNELS_LAST else torch.contiguous_format
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
     labels = torch.from_numpy(np.asarray(batch["label"], np.int64))
     return images.contiguous(memory_format=fmt), labels
 
@@ -288,9 +288,18 @@ def _probe(net, x, y, autocast, policy: str) -> None:
 
 
 def make_step(
-    model: str, policy: str, batch: dict, seed: int = 0, **model_config
+    model: str,
+    policy: str,
+    batch: dict,
+    seed: int = 0,
+    channels_last: bool = CHANNELS_LAST,
+    **model_config,
 ) -> Callable[[], object]:
     """A zero-argument callable doing one Adam(1e-4) train step on `batch`; returns the loss.
+
+    `channels_last` picks the conv nets' memory format. It is usually oneDNN's fastest, but in
+    torch 2.13 on this CPU the bf16 weight gradient of a 3-channel first layer is ~10x slower in
+    channels_last than in the default layout, so the suite times both.
 
     Raises:
       PeerUnsupported: torch is missing, or the policy's ops fail on this CPU / torch build.
@@ -307,9 +316,9 @@ def make_step(
     elif model == "resnet20":
         model_config.setdefault("in_channels", np.shape(batch["image"])[-1])
     net = build(model, **model_config).train()
-    if model != "transformer_lm" and CHANNELS_LAST:
+    if model != "transformer_lm" and channels_last:
         net = net.to(memory_format=torch.channels_last)
-    x, y = _inputs(model, batch)
+    x, y = _inputs(model, batch, channels_last)
     autocast = _autocast(policy)
     if policy != "float32":
         _probe(net, x, y, autocast, policy)

@@ -15,7 +15,8 @@ Adam, fp32 master weights, donated state) of every variant, interleaved in round
   bfloat16         jamp.wrap(model, "bfloat16"): bf16 params, compute and output (no fp32 master)
   flax_bf16        the network written in plain Flax with dtype=bf16 on every layer (peers_flax.py)
   torch_*          the network in PyTorch: fp32, torch.autocast(bfloat16), torch.autocast(float16)
-                   + GradScaler (peers_torch.py; skipped with a note when torch is not installed)
+                   + GradScaler, channels_last; conv nets also bf16 in the default layout
+                   (peers_torch.py; skipped with a note when torch is not installed)
 
 plus, compiled but not timed, mixed_float16 without loss scaling (the compile-time control). Per
 variant it reports step time, examples/s, speed-up over its own framework's fp32 (median of
@@ -62,7 +63,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 TX = optax.adam(1e-4)
 KEY = jax.random.key(0)
-POLICIES = ("float32", "mixed_bfloat16", "mixed_float16", "bfloat16")
+TORCH_BF16 = ("torch_mixed_bfloat16", "torch_mixed_bfloat16_nchw")  # conv nets: both layouts
+NOTES = "<!-- notes -->"  # text below this line in a results file is kept on rerun
 # Dense peak FLOP/s of the chips we have run on, for MFU (vendor datasheets, without sparsity).
 PEAK_FLOPS = {
     "NVIDIA H200": {"bfloat16": 989e12, "float16": 989e12, "tf32": 494e12, "float32": 67e12},
@@ -213,12 +215,18 @@ def torch_runners(w: Workload, batch_np) -> tuple[dict, str]:
     if not ok:
         return {}, why
     runners, notes = {}, []
-    for policy in ("float32", "mixed_bfloat16", "mixed_float16"):
+    config = dict(w.model_config, vocab_size=w.vocab) if w.task == "lm" else {}
+    variants = [(p, True) for p in ("float32", "mixed_bfloat16", "mixed_float16")]
+    if w.task != "lm":  # see peers_torch.make_step: bf16 conv nets are timed in both layouts
+        variants.append(("mixed_bfloat16", False))
+    for policy, channels_last in variants:
+        name = f"torch_{policy}" + ("" if channels_last else "_nchw")
         try:
-            config = dict(w.model_config, vocab_size=w.vocab) if w.task == "lm" else {}
-            runners[f"torch_{policy}"] = peers_torch.make_step(w.model, policy, batch_np, **config)
+            runners[name] = peers_torch.make_step(
+                w.model, policy, batch_np, channels_last=channels_last, **config
+            )
         except Exception as e:  # noqa: BLE001 - reported as a skip in the results
-            notes.append(f"torch {policy} skipped: {str(e).splitlines()[0]}")
+            notes.append(f"{name} skipped: {str(e).splitlines()[0]}")
     return runners, "; ".join(notes)
 
 
@@ -336,7 +344,7 @@ def headline(results) -> list[str]:
     rows = [
         "| workload | mixed_bf16 speed-up | mixed_bf16 temp / fp32 | mixed_f16 (dynamic scale) "
         "speed-up | compile: scaled / unscaled f16 | jamp mixed_bf16 vs flax_bf16 (time) "
-        "| jamp mixed_bf16 vs torch bf16 autocast (time) |",
+        "| jamp mixed_bf16 vs torch bf16 autocast, faster layout (time) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -346,8 +354,9 @@ def headline(results) -> list[str]:
         comp = f16["compile_s"] / info["mixed_float16_noscale"]["compile_s"]
         hand = _ratio(ratio_stats(bf["times"], info["flax_bf16"]["times"]))
         torch = "-"
-        if "torch_mixed_bfloat16" in info:
-            torch = _ratio(ratio_stats(bf["times"], info["torch_mixed_bfloat16"]["times"]))
+        layouts = [info[n]["times"] for n in TORCH_BF16 if n in info]
+        if layouts:  # the faster torch layout of each round
+            torch = _ratio(ratio_stats(bf["times"], [min(t) for t in zip(*layouts)]))
         rows.append(
             f"| {r['workload'].label} | {_ratio(ups['mixed_bfloat16'])} | {temp:.2f} "
             f"| {_ratio(ups['mixed_float16'])} | {comp:.2f} | {hand} | {torch} |"
@@ -371,6 +380,7 @@ def plot(results, path) -> bool:
         "bfloat16",
         "flax_bf16",
         "torch_mixed_bfloat16",
+        "torch_mixed_bfloat16_nchw",
         "torch_mixed_float16",
     ]
     width = 0.8 / len(variants)
@@ -434,7 +444,7 @@ def environment(args, elapsed) -> list[str]:
         f"- fp32 baselines: jax matmul precision {precision!r} ({fp32_note}); PyTorch "
         "`torch.set_float32_matmul_precision('highest')`",
         f"- {args.rounds} interleaved rounds; ratios are medians of per-round ratios [min-max]; "
-        f"step ms is the median over rounds; compile s is the fastest of 2 fresh compiles; total wall time {elapsed / 60:.1f} min",
+        f"step ms is the median over rounds; compile s is the fastest of 2 fresh compiles (1 on GPU); total wall time {elapsed / 60:.1f} min",
     ]
 
 
@@ -446,7 +456,7 @@ def run_accuracy():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=None, help="default 9 (CPU), 7 (GPU)")
+    parser.add_argument("--rounds", type=int, default=None, help="default 9 (CPU), 5 (GPU)")
     parser.add_argument("--models", default="", help="comma-separated model names to keep")
     parser.add_argument("--no-torch", action="store_true", help="leave out the PyTorch peer")
     parser.add_argument("--accuracy", action="store_true", help="also run the accuracy scripts")
@@ -454,36 +464,47 @@ def main():
     parser.add_argument("--out", default=None, help="results file stem (default: machine name)")
     args = parser.parse_args()
     on_gpu = jax.default_backend() == "gpu"
-    args.rounds = 2 if args.quick else (args.rounds or (7 if on_gpu else 9))
+    args.rounds = 2 if args.quick else (args.rounds or (5 if on_gpu else 9))
     start = time.perf_counter()
     results = []
     for w in workloads(on_gpu, args.quick):
         if args.models and w.model not in args.models.split(","):
             continue
-        results.append(bench(w, args.rounds, on_gpu, not args.no_torch, 1 if args.quick else 2))
+        reps = 1 if args.quick or on_gpu else 2
+        results.append(bench(w, args.rounds, on_gpu, not args.no_torch, reps))
+        # Written after every workload, so that a run stopped by a time limit keeps what it did.
+        report(results, args, time.perf_counter() - start, final=False)
     if args.accuracy:
         run_accuracy()
+    report(results, args, time.perf_counter() - start, final=True)
+
+
+def report(results, args, elapsed, final):
     lines = [f"# jamp benchmark suite: {machine_name()}", ""]
-    lines += environment(args, time.perf_counter() - start)
+    lines += environment(args, elapsed)
+    if not final:
+        lines += ["- PARTIAL: written before the last workload finished"]
     lines += ["", "## Headline", ""] + headline(results) + ["", "## Per workload", ""]
     for r in results:
         lines += model_table(r)
     lines += accuracy_section()
     text = "\n".join(lines) + "\n"
-    print("\n" + text)
+    if final:
+        print("\n" + text)
     if args.quick:
         return
     stem = args.out or machine_name()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    notes = RESULTS / f"{stem}.md"
+    path = RESULTS / f"{stem}.md"
     kept = ""
-    if notes.exists() and "<!-- notes -->" in notes.read_text():
-        old = notes.read_text()
-        kept = old[old.index("<!-- notes -->") :]
+    if path.exists() and NOTES in path.read_text():
+        old = path.read_text()
+        kept = old[old.index(NOTES) :]
     if plot(results, RESULTS / f"{stem}.png"):
         text += f"\n![speed-up and memory per policy]({stem}.png)\n"
-    notes.write_text(text + ("\n" + kept if kept else ""))
-    print("wrote", notes)
+    path.write_text(text + ("\n" + kept if kept else ""))
+    if final:
+        print("wrote", path)
 
 
 if __name__ == "__main__":
