@@ -17,45 +17,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import pathlib
-import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "experiments" / "results"
-POLICIES = ("float32", "mixed_bfloat16", "mixed_float16", "bfloat16")
-
-
-def run(policy: str, seed: int, steps: int, workdir: pathlib.Path, data_dir: str) -> list[dict]:
-    """One training run; returns its metrics.jsonl records."""
-    cmd = [
-        sys.executable, "-m", "jamp.train",
-        f"--config.policy={policy}", f"--config.seed={seed}",
-        f"--config.num_train_steps={steps}", "--config.log_every_steps=10",
-        f"--workdir={workdir}",
-    ]  # fmt: skip
-    if data_dir:
-        cmd.append(f"--config.data_dir={data_dir}")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if out.returncode:
-        raise SystemExit(f"{policy} seed {seed} failed:\n{out.stderr[-2000:]}")
-    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(
-                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
-            )
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
+from _accuracy import POLICIES, RESULTS, cpu_name, pyplot, run
 
 
 def final_accuracy(records: list[dict]) -> float:
@@ -63,12 +30,8 @@ def final_accuracy(records: list[dict]) -> float:
 
 
 def plot(curves: dict, path: pathlib.Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(11, 4))
     for policy, records in curves.items():

@@ -1,4 +1,4 @@
-"""jamp.data: offline digits, mocked tfds datasets, offline errors, synthetic data, batching."""
+"""jamp.data: offline digits and pydoc, mocked tfds datasets, offline errors, synthetic data."""
 
 import itertools
 import os
@@ -17,7 +17,9 @@ from jamp.data import (
     DatasetInfo,
     get_dataset,
     next_timed,
+    prepare,
     prepare_digits,
+    pydoc_topics,
     tfds_sources,
 )
 from jamp.data import __main__ as data_main
@@ -146,6 +148,92 @@ def test_train_batches_resume_where_an_uninterrupted_run_would_be(digits_dir):
 def test_cli_prepares_digits(digits_dir, capsys):
     assert data_main.main(["digits", "--data_dir", digits_dir]) == 0
     assert digits_dir in capsys.readouterr().out
+
+
+# --- pydoc: real text, prepared offline ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pydoc_dir(tmp_path_factory):
+    return prepare("pydoc", str(tmp_path_factory.mktemp("tfds")))
+
+
+def _pydoc_split_bytes() -> dict[str, bytes]:
+    """Each split's topics joined in name order, from this Python's pydoc_data directly."""
+    topics = pydoc_topics.load_topics()
+    return {
+        split: b"".join(topics[name].encode("utf-8") for name in names)
+        for split, names in pydoc_topics.split_topics(topics).items()
+    }
+
+
+def test_pydoc_split_is_deterministic_disjoint_whole_topics_and_about_a_tenth():
+    topics = pydoc_topics.load_topics()
+    split = pydoc_topics.split_topics(topics)
+    assert split == pydoc_topics.split_topics(dict(reversed(topics.items())))  # order-free
+    assert not set(split["train"]) & set(split["test"])
+    assert sorted(split["train"] + split["test"]) == sorted(topics)
+    sizes = {name: len(text.encode("utf-8")) for name, text in topics.items()}
+    fraction = sum(sizes[n] for n in split["test"]) / sum(sizes.values())
+    assert 0.08 < fraction <= pydoc_topics.TEST_FRACTION
+    assert len(split["test"]) >= 5  # many topics, not one big one
+
+
+def test_pydoc_split_of_made_up_topics_respects_the_byte_budget():
+    topics = {f"t{i}": "x" * (10 + i) for i in range(50)}
+    split = pydoc_topics.split_topics(topics)
+    test_bytes = sum(len(topics[n]) for n in split["test"])
+    assert 0 < test_bytes <= 0.1 * sum(map(len, topics.values()))
+    assert split == pydoc_topics.split_topics(topics)
+
+
+def test_pydoc_prepared_topics_round_trip_byte_for_byte(pydoc_dir):
+    topics = pydoc_topics.load_topics()
+    builder = tfds.builder(pydoc_topics.NAME, data_dir=pydoc_dir, file_format="array_record")
+    for split, names in pydoc_topics.split_topics(topics).items():
+        source = builder.as_data_source(split=split)
+        got = [(source[i]["topic"].decode(), source[i]["text"]) for i in range(len(source))]
+        assert got == [(name, topics[name].encode("utf-8")) for name in names]  # in name order
+    assert builder.info.metadata["python_version"] == sys.version.split()[0]
+
+
+def test_pydoc_info_counts_byte_windows(pydoc_dir):
+    split = _pydoc_split_bytes()
+    cfg = DataConfig("pydoc", batch_size=32, data_dir=pydoc_dir, seq_len=128)
+    info = get_dataset(cfg, DEVICES).info
+    windows = [(len(split[s]) - 1) // 128 for s in ("train", "test")]
+    assert info == DatasetInfo("lm", (128,), 256, *windows)
+    assert 3000 < windows[0] and 300 < windows[1]  # ~420 KB / ~46 KB of text
+
+
+def test_pydoc_eval_batches_are_the_test_text_in_order(pydoc_dir):
+    cfg = DataConfig("pydoc", batch_size=64, data_dir=pydoc_dir, seq_len=64)
+    batches = list(get_dataset(cfg, DEVICES).eval_batches())
+    tokens = np.concatenate([b["tokens"] for b in batches])
+    mask = np.concatenate([b["mask"] for b in batches]).astype(bool)
+    assert tokens.dtype == np.int32 and tokens.shape[1] == 65
+    real = tokens[mask].astype(np.uint8)
+    # Windows overlap by one byte: the first window and every later one's last 64 bytes.
+    text = real[0].tobytes() + b"".join(w[1:].tobytes() for w in real[1:])
+    test = _pydoc_split_bytes()["test"]
+    assert text == test[: len(text)] and len(test) - len(text) < 64
+
+
+def test_pydoc_train_batches_are_deterministic_windows_of_the_train_text(pydoc_dir):
+    cfg = DataConfig("pydoc", batch_size=16, data_dir=pydoc_dir, seq_len=32)
+    first = _take(get_dataset(cfg, DEVICES).train_batches(), 2)
+    again = _take(get_dataset(cfg, DEVICES).train_batches(), 2)
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a["tokens"], b["tokens"])
+    train = _pydoc_split_bytes()["train"]
+    windows = {train[i : i + 33] for i in range(0, len(train) - 32, 32)}
+    assert first[0]["tokens"].shape == (16, 33)
+    assert {w.tobytes() for w in first[0]["tokens"].astype(np.uint8)} <= windows
+
+
+def test_cli_prepares_pydoc(pydoc_dir, capsys):
+    assert data_main.main(["pydoc", "--data_dir", pydoc_dir]) == 0
+    assert pydoc_dir in capsys.readouterr().out
 
 
 # --- tfds datasets, mocked ----------------------------------------------------------------------
@@ -319,7 +407,7 @@ def test_bad_batch_sizes_are_data_errors(batch_size, message):
 def test_unknown_dataset_lists_the_known_names():
     with pytest.raises(DataError, match="unknown dataset 'imagenet'") as error:
         get_dataset(DataConfig("imagenet", batch_size=8), DEVICES)
-    for name in ("digits", "mnist", "cifar10", "tiny_shakespeare", "synthetic_tokens"):
+    for name in ("digits", "mnist", "cifar10", "tiny_shakespeare", "pydoc", "synthetic_tokens"):
         assert name in str(error.value)
 
 

@@ -13,7 +13,8 @@ keeps up. `next_timed` returns a batch and that time.
 
 Datasets (`DATASETS`): "digits" (offline default: scikit-learn's 8x8 digits as a tfds dataset,
 prepared into data_dir on first use), "mnist", "fashion_mnist", "cifar10", "tiny_shakespeare"
-(byte tokens), "synthetic_images", "synthetic_tokens". Prepare a tfds dataset for an offline
+(byte tokens), "pydoc" (offline byte tokens: CPython's pydoc help texts as a tfds dataset, prepared
+on first use), "synthetic_images", "synthetic_tokens". Prepare a tfds dataset for an offline
 machine with `python -m jamp.data NAME --data_dir DIR`.
 """
 

@@ -39,11 +39,19 @@ def _image_splits(builder, train, eval_) -> Splits:
     return Splits(info, ImageExamples(train), ImageExamples(eval_))
 
 
-def _tfds_text(name: str, eval_split: str, cfg: DataConfig) -> Splits:
+def _pydoc(cfg: DataConfig) -> Splits:
+    from jamp.data import pydoc_topics  # defines the builder before tfds looks it up
+
+    return _tfds_text(pydoc_topics.NAME, "test", cfg, needs_network=False)
+
+
+def _tfds_text(name: str, eval_split: str, cfg: DataConfig, needs_network: bool = True) -> Splits:
     from jamp.data import tfds_sources
 
     data_dir = resolve_data_dir(cfg.data_dir)
-    _, sources = tfds_sources.open_splits(name, ["train", eval_split], data_dir, cfg.download)
+    _, sources = tfds_sources.open_splits(
+        name, ["train", eval_split], data_dir, cfg.download, needs_network=needs_network
+    )
     windows = {}
     for split, source in sources.items():
         tokens = tfds_sources.text_bytes(source)
@@ -102,6 +110,7 @@ DATASETS: dict[str, Callable[[DataConfig], Splits]] = {
     "fashion_mnist": functools.partial(_tfds_images, "fashion_mnist", "test"),
     "cifar10": functools.partial(_tfds_images, "cifar10", "test"),
     "tiny_shakespeare": functools.partial(_tfds_text, "tiny_shakespeare", "validation"),
+    "pydoc": _pydoc,
     "synthetic_images": _synthetic_images,
     "synthetic_tokens": _synthetic_tokens,
 }
@@ -161,8 +170,8 @@ def get_dataset(cfg: DataConfig, num_devices: int) -> Dataset:
 def prepare(name: str, data_dir: str | None = None) -> str:
     """Downloads (if needed) and prepares dataset `name` for offline use; returns its data_dir.
 
-    For tfds datasets this needs the network and TensorFlow; "digits" needs neither network nor
-    anything beyond scikit-learn and TensorFlow. Synthetic datasets need nothing.
+    For tfds datasets this needs the network and TensorFlow; "digits" and "pydoc" need no network,
+    only TensorFlow (and scikit-learn for "digits"). Synthetic datasets need nothing.
     """
     if name not in DATASETS:
         raise DataError(f"unknown dataset '{name}': known datasets are {', '.join(DATASETS)}")

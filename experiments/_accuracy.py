@@ -1,0 +1,90 @@
+"""Shared by the accuracy-at-equal-budget experiments: run the real training program, read its logs.
+
+Every run is `python -m jamp.train` in a subprocess with only the policy, seed, step count and log
+interval changed on the command line, so that each policy gets the same data, steps and optimizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+from collections.abc import Sequence
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "experiments" / "results"
+# float32; the mixed policies (fp32 params, 16-bit compute; fp16 with jamp's default dynamic loss
+# scale); and all-bf16 ("bfloat16": params, compute and output bf16).
+POLICIES = ("float32", "mixed_bfloat16", "mixed_float16", "bfloat16")
+
+
+def run(
+    policy: str,
+    seed: int,
+    steps: int,
+    workdir: pathlib.Path,
+    data_dir: str,
+    config: str | None = None,
+    log_every: int = 10,
+    overrides: Sequence[str] = (),
+) -> list[dict]:
+    """One training run of `config` (None: the program's default recipe); its metrics.jsonl.
+
+    `overrides` are further `--config.<field>=<value>` flags, the same for every policy.
+    """
+    cmd = [sys.executable, "-m", "jamp.train"] + ([f"--config={config}"] if config else [])
+    cmd += [
+        f"--config.policy={policy}", f"--config.seed={seed}",
+        f"--config.num_train_steps={steps}", f"--config.log_every_steps={log_every}",
+        f"--workdir={workdir}", *overrides,
+    ]  # fmt: skip
+    if data_dir:
+        cmd.append(f"--config.data_dir={data_dir}")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"{policy} seed {seed} failed:\n{out.stderr[-2000:]}")
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def records(run_records: list[dict], kind: str) -> list[dict]:
+    """The "train" or "eval" records of one run, in step order."""
+    return [r for r in run_records if r["kind"] == kind]
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def versions(*packages: str) -> str:
+    """ "Python 3.11.7, jax 0.10.2, ..." for the installed `packages` (without importing them)."""
+    from importlib import metadata
+
+    parts = [f"Python {platform.python_version()}"]
+    for name in packages:
+        try:
+            parts.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{name} (not installed)")
+    return ", ".join(parts)
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None without matplotlib (the `bench` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
