@@ -16,15 +16,16 @@ import jax
 
 
 def interleaved(
-    runners: Mapping[str, Callable[[], object]], rounds: int, steps: int
+    runners: Mapping[str, Callable[[], object]], rounds: int, steps: int | Mapping[str, int]
 ) -> dict[str, list[float]]:
     """Times `steps` calls of each runner per round; returns seconds per call, one per round.
 
     Args:
       runners: name -> zero-argument callable doing one step and returning its outputs.
       rounds: how many rounds.
-      steps: calls per variant per round; only the last call's outputs are waited for, which is
-        enough when each call consumes the previous one's state.
+      steps: calls per variant per round (or name -> calls, for variants much slower than the
+        rest); only the last call's outputs are waited for, which is enough when each call
+        consumes the previous one's state.
     """
     names = list(runners)
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -32,11 +33,12 @@ def interleaved(
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order[::-1] if r % 2 else order:
             run = runners[name]
+            n = steps[name] if isinstance(steps, Mapping) else steps
             start = time.perf_counter()
-            for _ in range(steps):
+            for _ in range(n):
                 out = run()
             jax.block_until_ready(out)
-            times[name].append((time.perf_counter() - start) / steps)
+            times[name].append((time.perf_counter() - start) / n)
     return times
 
 

@@ -297,9 +297,8 @@ def make_step(
 ) -> Callable[[], object]:
     """A zero-argument callable doing one Adam(1e-4) train step on `batch`; returns the loss.
 
-    `channels_last` picks the conv nets' memory format. It is usually oneDNN's fastest, but in
-    torch 2.13 on this CPU the bf16 weight gradient of a 3-channel first layer is ~10x slower in
-    channels_last than in the default layout, so the suite times both.
+    `channels_last` picks the conv nets' memory format (oneDNN's fastest here, fp32 and bf16).
+    oneDNN builds its kernels during the first few steps: warm up ~5 steps before timing.
 
     Raises:
       PeerUnsupported: torch is missing, or the policy's ops fail on this CPU / torch build.

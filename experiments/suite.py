@@ -15,8 +15,9 @@ Adam, fp32 master weights, donated state) of every variant, interleaved in round
   bfloat16         jamp.wrap(model, "bfloat16"): bf16 params, compute and output (no fp32 master)
   flax_bf16        the network written in plain Flax with dtype=bf16 on every layer (peers_flax.py)
   torch_*          the network in PyTorch: fp32, torch.autocast(bfloat16), torch.autocast(float16)
-                   + GradScaler, channels_last; conv nets also bf16 in the default layout
-                   (peers_torch.py; skipped with a note when torch is not installed)
+                   + GradScaler; conv nets in channels_last (peers_torch.py; skipped with a
+                   note when torch is not installed). On this CPU torch's fp16 step is 20-30x
+                   slower than its fp32 one, so it is timed one step per round.
 
 plus, compiled but not timed, mixed_float16 without loss scaling (the compile-time control). Per
 variant it reports step time, examples/s, speed-up over its own framework's fp32 (median of
@@ -63,8 +64,10 @@ HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 TX = optax.adam(1e-4)
 KEY = jax.random.key(0)
-TORCH_BF16 = ("torch_mixed_bfloat16", "torch_mixed_bfloat16_nchw")  # conv nets: both layouts
-NOTES = "<!-- notes -->"  # text below this line in a results file is kept on rerun
+NOTES = "<!-- notes -->"
+SLOW = (
+    "torch_mixed_float16",
+)  # timed one step per round (fp16 has no fast path on CPUs)  # text below this line in a results file is kept on rerun
 # Dense peak FLOP/s of the chips we have run on, for MFU (vendor datasheets, without sparsity).
 PEAK_FLOPS = {
     "NVIDIA H200": {"bfloat16": 989e12, "float16": 989e12, "tf32": 494e12, "float32": 67e12},
@@ -216,15 +219,10 @@ def torch_runners(w: Workload, batch_np) -> tuple[dict, str]:
         return {}, why
     runners, notes = {}, []
     config = dict(w.model_config, vocab_size=w.vocab) if w.task == "lm" else {}
-    variants = [(p, True) for p in ("float32", "mixed_bfloat16", "mixed_float16")]
-    if w.task != "lm":  # see peers_torch.make_step: bf16 conv nets are timed in both layouts
-        variants.append(("mixed_bfloat16", False))
-    for policy, channels_last in variants:
-        name = f"torch_{policy}" + ("" if channels_last else "_nchw")
+    for policy in ("float32", "mixed_bfloat16", "mixed_float16"):
+        name = f"torch_{policy}"
         try:
-            runners[name] = peers_torch.make_step(
-                w.model, policy, batch_np, channels_last=channels_last, **config
-            )
+            runners[name] = peers_torch.make_step(w.model, policy, batch_np, **config)
         except Exception as e:  # noqa: BLE001 - reported as a skip in the results
             notes.append(f"{name} skipped: {str(e).splitlines()[0]}")
     return runners, "; ".join(notes)
@@ -248,14 +246,15 @@ def bench(w: Workload, rounds: int, on_gpu: bool, with_torch: bool, compile_reps
         for name, run in extra.items():
             info[name] = {"framework": "torch", "timed": True}
             runners[name] = run
-    for name, run in runners.items():  # warm up, and check every variant trains
-        losses = [float(_loss_of(run())) for _ in range(3)]
+    # Warm up (oneDNN builds torch's kernels in the first steps) and check every variant trains.
+    for name, run in runners.items():
+        losses = [float(_loss_of(run())) for _ in range(2 if name in SLOW else 5)]
         info[name]["losses"] = losses
         if not np.all(np.isfinite(losses)):
             print(f"[{w.model}] WARNING {name}: non-finite losses {losses}", flush=True)
     print(f"[{w.model}] timing {len(runners)} variants, {rounds} rounds x {w.steps} steps",
           flush=True)  # fmt: skip
-    times = interleaved(runners, rounds, w.steps)
+    times = interleaved(runners, rounds, {n: 1 if n in SLOW else w.steps for n in runners})
     for name, t in times.items():
         info[name]["times"] = t
     return {"workload": w, "info": info, "torch_note": note}
@@ -311,7 +310,7 @@ def model_table(result) -> list[str]:
         f"### {w.label}, batch {w.batch_size}",
         "",
         f"| variant | step ms | {unit} | speed-up vs own fp32 | compile s | temp MiB | args MiB "
-        "| out MiB | TFLOP/s (MFU) | loss, 3 warm-up steps |",
+        "| out MiB | TFLOP/s (MFU) | loss over warm-up steps |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, i in info.items():
@@ -344,7 +343,7 @@ def headline(results) -> list[str]:
     rows = [
         "| workload | mixed_bf16 speed-up | mixed_bf16 temp / fp32 | mixed_f16 (dynamic scale) "
         "speed-up | compile: scaled / unscaled f16 | jamp mixed_bf16 vs flax_bf16 (time) "
-        "| jamp mixed_bf16 vs torch bf16 autocast, faster layout (time) |",
+        "| jamp mixed_bf16 vs torch bf16 autocast (time) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -354,9 +353,8 @@ def headline(results) -> list[str]:
         comp = f16["compile_s"] / info["mixed_float16_noscale"]["compile_s"]
         hand = _ratio(ratio_stats(bf["times"], info["flax_bf16"]["times"]))
         torch = "-"
-        layouts = [info[n]["times"] for n in TORCH_BF16 if n in info]
-        if layouts:  # the faster torch layout of each round
-            torch = _ratio(ratio_stats(bf["times"], [min(t) for t in zip(*layouts)]))
+        if "torch_mixed_bfloat16" in info:
+            torch = _ratio(ratio_stats(bf["times"], info["torch_mixed_bfloat16"]["times"]))
         rows.append(
             f"| {r['workload'].label} | {_ratio(ups['mixed_bfloat16'])} | {temp:.2f} "
             f"| {_ratio(ups['mixed_float16'])} | {comp:.2f} | {hand} | {torch} |"
@@ -380,7 +378,6 @@ def plot(results, path) -> bool:
         "bfloat16",
         "flax_bf16",
         "torch_mixed_bfloat16",
-        "torch_mixed_bfloat16_nchw",
         "torch_mixed_float16",
     ]
     width = 0.8 / len(variants)
