@@ -381,13 +381,16 @@ def plot(results, path) -> bool:
         "torch_mixed_float16",
     ]
     width = 0.8 / len(variants)
+    top = 1.0
     for k, v in enumerate(variants):
         ups = [speedups(r).get(v, (np.nan,))[0] for r in results]
+        top = max([top] + [u for u in ups if np.isfinite(u)])
         ax_up.bar(np.arange(len(results)) + k * width, ups, width, label=v)
     ax_up.axhline(1.0, color="k", lw=0.8)
+    ax_up.set_ylim(0, top * 1.45)  # room for the legend above the bars
     ax_up.set(xticks=np.arange(len(results)) + 0.4 - width / 2, xticklabels=names,
               ylabel="speed-up over own framework's fp32", title="step speed-up per policy")  # fmt: skip
-    ax_up.legend(fontsize=8)
+    ax_up.legend(fontsize=8, ncol=3, loc="upper left")
     mem_variants = ["float32", "mixed_bfloat16", "mixed_float16", "bfloat16", "flax_bf16"]
     width = 0.8 / len(mem_variants)
     for k, v in enumerate(mem_variants):
@@ -395,7 +398,8 @@ def plot(results, path) -> bool:
         ax_mem.bar(np.arange(len(results)) + k * width, temps, width, label=v)
     ax_mem.set(xticks=np.arange(len(results)) + 0.4 - width / 2, xticklabels=names,
                ylabel="MiB", title="XLA temporary memory of the train step")  # fmt: skip
-    ax_mem.legend(fontsize=8)
+    ax_mem.set_ylim(0, ax_mem.get_ylim()[1] * 1.3)
+    ax_mem.legend(fontsize=8, ncol=3, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return True
