@@ -16,6 +16,8 @@ from typing import Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from jamp.models.cnn import max_pool_2x2
+
 F32 = jnp.float32
 
 
@@ -29,7 +31,7 @@ class HandCNN(nn.Module):
         x = images_NHWC.astype(self.dtype)
         x = nn.relu(nn.Conv(32, (3, 3), padding=1, **hand)(x))
         x = nn.relu(nn.Conv(64, (3, 3), padding=1, **hand)(x))
-        x = nn.max_pool(x, (2, 2), strides=(2, 2))
+        x = max_pool_2x2(x)  # the pooling jamp.models.SeedCNN uses (precision-free)
         x = nn.relu(nn.Dense(256, **hand)(x.reshape(x.shape[0], -1)))
         return nn.Dense(self.num_classes, **hand)(x).astype(F32)
 
