@@ -424,3 +424,11 @@ def test_importing_jamp_data_pulls_in_neither_tfds_nor_tensorflow():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_how_to_provide_names_the_prepare_command_users_can_run():
+    from jamp.data.tfds_sources import how_to_provide
+
+    assert "python -m jamp.data digits --data_dir=/d" in how_to_provide("jamp_digits", "/d")
+    assert "no network" in how_to_provide("jamp_pydoc", "/d")
+    assert "python -m jamp.data mnist --data_dir=/d" in how_to_provide("mnist", "/d")
