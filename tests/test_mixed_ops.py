@@ -31,8 +31,8 @@ CASES = {
         ),
     ),
     "nchw_strided_uneven": (
-        (2, 4, 11, 10),
-        (6, 4, 3, 2),
+        (2, 3, 11, 10),
+        (6, 3, 3, 2),
         dict(
             window_strides=(2, 3),
             padding=((0, 2), (1, 0)),

@@ -5,7 +5,8 @@ The two runs see the same global batches and average over the same 4 devices, so
 same model; they are not bit-identical because gloo sums the 4 gradients in another order than
 XLA's in-process all-reduce. That fp32 round-off (1e-7 relative in the averaged gradient) is then
 magnified by the fp16 policy, whose casts of the params to fp16 round differently once a param
-differs in its last fp32 bit: after 12 Adam steps of 1e-3 the params differ by ~2e-6 at most.
+differs in its last fp32 bit: after 12 Adam steps of 1e-3 the params differ by ~2e-6, and by up
+to 5e-5 in one output channel (see PARAM_ATOL).
 A real fault (a process reading the wrong slice, no averaging across processes) changes every
 update by the order of the learning rate.
 """
@@ -35,8 +36,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMOKE = ["--config=configs/synthetic.py:smoke", "--config.image_shape=(8, 8, 1)"]
 STEPS = 12  # the smoke variant's num_train_steps
 TIMEOUT = 240  # seconds for one run of the program, start-up and compiles included
-# Params of the fp16 runs agree to ~2e-6 here (see the module docstring); 1% of one update.
-PARAM_ATOL = 1e-5
+# Params of the fp16 runs agree to ~2e-6 here (see the module docstring), except where the
+# chaos of fp16 rounding moves a whole output channel: since the first convolution's weight
+# gradient comes back in fp32 (its patch-matmul lowering), one channel of the second differs by
+# up to 5.1e-5 (104 of 18,432 weights). A fault moves nearly every weight by ~1e-3 (the learning
+# rate), so: every weight within 10% of one update, and all but 1% within 1% of one update.
+PARAM_ATOL = 1e-4
+PARAM_CLOSE_ATOL, PARAM_CLOSE_FRACTION = 1e-5, 0.99
 
 
 def _free_port() -> int:
@@ -186,6 +192,8 @@ def test_train_two_processes_match_one_process_with_the_same_devices(tmp_path):
     assert int(b["step"]) == STEPS
     for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(b["params"])):
         np.testing.assert_allclose(y, x, rtol=0, atol=PARAM_ATOL)
+        close = np.mean(np.abs(np.asarray(y) - np.asarray(x)) <= PARAM_CLOSE_ATOL)
+        assert close >= PARAM_CLOSE_FRACTION, (np.shape(x), close)
 
 
 def test_train_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
