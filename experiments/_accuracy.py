@@ -55,16 +55,6 @@ def records(run_records: list[dict], kind: str) -> list[dict]:
     return [r for r in run_records if r["kind"] == kind]
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(
-                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
-            )
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
 def versions(*packages: str) -> str:
     """ "Python 3.11.7, jax 0.10.2, ..." for the installed `packages` (without importing them)."""
     from importlib import metadata

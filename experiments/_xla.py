@@ -7,8 +7,6 @@ import os
 import platform
 import re
 
-import jax
-
 
 def hlo_summary(text: str) -> str:
     """Counts dots / convolutions by operand dtypes and by whether they run in a YNN fusion."""
@@ -57,6 +55,8 @@ def cpu_description() -> str:
 
 def machine_name() -> str:
     """A file-name-safe name of the accelerator (or CPU) and its count, e.g. 'cpu-amd-epyc-2c'."""
+    import jax  # here, so that the accuracy scripts can describe the CPU without importing jax
+
     device = jax.devices()[0]
     if device.platform == "cpu":
         label, count = cpu_description().split(" (")[0], os.cpu_count()

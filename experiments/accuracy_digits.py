@@ -22,7 +22,8 @@ import pathlib
 import statistics
 import tempfile
 
-from _accuracy import POLICIES, RESULTS, cpu_name, pyplot, run
+from _accuracy import POLICIES, RESULTS, pyplot, run
+from _xla import cpu_description
 
 
 def final_accuracy(records: list[dict]) -> float:
@@ -81,7 +82,7 @@ def main() -> None:
         f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
         f"- command: `python experiments/accuracy_digits.py --seeds {args.seeds} "
         f"--steps {args.steps}`",
-        f"- machine: {cpu_name()}, {os.cpu_count()} cores, CPU only",
+        f"- machine: {cpu_description()}, {os.cpu_count()} cores, CPU only",
         f"- recipe: configs/default.py (Adam 1e-3, batch 64, {args.steps} steps), 300 test images;"
         " one image is 0.33 points",
         "",

@@ -26,7 +26,8 @@ import statistics
 import tempfile
 import time
 
-from _accuracy import POLICIES, RESULTS, cpu_name, pyplot, records, run, versions
+from _accuracy import POLICIES, RESULTS, pyplot, records, run, versions
+from _xla import cpu_description
 
 CONFIG = "configs/lm_pydoc.py"
 FP16 = "mixed_float16"
@@ -172,7 +173,7 @@ def main() -> None:
         "",
         f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
         f"- command: `{command}` ({minutes:.1f} min for {args.seeds * len(POLICIES)} runs)",
-        f"- machine: {cpu_name()}, {os.cpu_count()} cores, CPU only, no GPU (a VM shared with "
+        f"- machine: {cpu_description()}, {os.cpu_count()} cores, CPU only, no GPU (a VM shared with "
         "other jobs); " + versions("jax", "jaxlib", "flax", "optax", "jmp"),
         f"- recipe: {CONFIG}: {m['num_layers']}-layer Transformer, d_model {m['d_model']}, "
         f"{m['num_heads']} heads, MLP {m['mlp_dim']}; {config['optimizer']} "

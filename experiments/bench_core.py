@@ -34,7 +34,7 @@ import jaxlib
 import numpy as np
 import optax
 from _timing import interleaved, ratio_stats
-from _xla import hlo_summary
+from _xla import cpu_description, hlo_summary
 from peers_flax import hand_model
 
 from jamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
@@ -218,15 +218,7 @@ def headline(results):
 
 
 def environment(args, elapsed, load):
-    with open("/proc/cpuinfo") as f:
-        info = dict(ln.split(":", 1) for ln in f.read().split("\n\n")[0].splitlines() if ":" in ln)
-    info = {k.strip(): v.strip() for k, v in info.items()}
-    flags = [
-        f
-        for f in ("avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")
-        if f in info["flags"].split()
-    ]
-    cpu = f"{info['model name']} (family {info['cpu family']} model {info['model']}, {', '.join(flags)})"
+    cpu = cpu_description()
     precision = jax.config.jax_default_matmul_precision
     return [
         f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",

@@ -68,16 +68,9 @@ NOTES = "<!-- notes -->"
 SLOW = (
     "torch_mixed_float16",
 )  # timed one step per round (fp16 has no fast path on CPUs)  # text below this line in a results file is kept on rerun
-# Dense peak FLOP/s of the chips we have run on, for MFU (vendor datasheets, without sparsity).
-PEAK_FLOPS = {
-    "NVIDIA H200": {"bfloat16": 989e12, "float16": 989e12, "tf32": 494e12, "float32": 67e12},
-    "NVIDIA H100 80GB HBM3": {
-        "bfloat16": 989e12,
-        "float16": 989e12,
-        "tf32": 494e12,
-        "float32": 67e12,
-    },
-}
+# Dense peak FLOP/s for MFU (vendor datasheets, without sparsity) of the GPUs lent to this project.
+_HOPPER = {"bfloat16": 989e12, "float16": 989e12, "tf32": 494e12, "float32": 67e12}
+PEAK_FLOPS = {"NVIDIA H200": _HOPPER, "NVIDIA H100 80GB HBM3": _HOPPER}
 
 
 @dataclasses.dataclass
