@@ -103,13 +103,14 @@ def _describe_mismatch(stored: dict, wanted: dict) -> str | None:
 
 
 def _ignore_stale_read_callbacks() -> None:
-    """Silences the callbacks a failed Orbax read leaves behind (process-wide, once).
+    """Silences the reports a failed Orbax read leaves behind (process-wide, once).
 
     When one array of a checkpoint cannot be read, Orbax's restore fails and closes its event
     loop while tensorstore still finishes the other reads; each of them then calls back into the
     closed loop, and Python prints a "RuntimeError: Event loop is closed" traceback for each (via
     `sys.unraisablehook`), tens of them, long after the failure was handled. Only those are
-    dropped; every other unraisable exception goes to the previous hook.
+    dropped; every other unraisable exception goes to the previous hook. The same restore's
+    unawaited sibling reads are dropped from asyncio's log (`_drop_orphaned_read_errors`).
     """
     previous = sys.unraisablehook
     if getattr(previous, "_jamp_stale_reads", False):
@@ -127,6 +128,23 @@ def _ignore_stale_read_callbacks() -> None:
 
     hook._jamp_stale_reads = True
     sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_drop_orphaned_read_errors)
+
+
+def _drop_orphaned_read_errors(record: logging.LogRecord) -> bool:
+    """Drops asyncio's "exception was never retrieved" report for a failed tensorstore read.
+
+    The same failed restore leaves sibling read tasks whose own errors nobody awaits; asyncio
+    logs each, with a traceback, whenever the task happens to be garbage collected (so only
+    sometimes). The restore has already failed and been reported by then. Any other asyncio
+    record passes.
+    """
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (
+        exc is not None
+        and str(record.msg).partition("\n")[0].endswith("exception was never retrieved")
+        and "tensorstore_spec=" in str(exc)
+    )
 
 
 def _abstract(target: Any) -> Any:

@@ -1,6 +1,8 @@
 """Tests for jamp.checkpoint: exact round trips, retention, damaged and foreign checkpoints, and
 saves that fail or are interrupted."""
 
+import asyncio
+import gc
 import logging
 import os
 import shutil
@@ -200,6 +202,39 @@ def test_checkpointer_all_damaged_raises_one_line(tmp_path, state):
     assert "\n" not in message
     assert message.startswith(f"none of the 2 checkpoints in {tmp_path} can be read")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+
+
+def _orphaned_task_report(error: Exception, caplog) -> str:
+    """What asyncio logs when a task failing with `error` is collected without being awaited."""
+    loop = asyncio.new_event_loop()
+
+    async def read():
+        raise error
+
+    try:
+        task = loop.create_task(read())
+        loop.run_until_complete(asyncio.sleep(0))
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, "asyncio"):
+            del task
+            gc.collect()
+    finally:
+        loop.close()
+    return "\n".join(r.getMessage() for r in caplog.records if r.name == "asyncio")
+
+
+def test_checkpointer_drops_orphaned_read_errors_after_a_failed_restore(tmp_path, state, caplog):
+    # A damaged checkpoint's restore leaves unawaited sibling reads; whenever one is collected,
+    # asyncio logs its error with a traceback (CI saw one in the CLI's stderr).
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state)
+    _damage(tmp_path / "1", "data_deleted")
+    with Checkpointer(tmp_path) as ckpt, pytest.raises(CheckpointError):
+        ckpt.restore(_fresh_state())
+    spec = "DATA_LOSS: Error reading \"x/.zarray\" [tensorstore_spec='{}']"
+    assert _orphaned_task_report(ValueError(spec), caplog) == ""
+    other = _orphaned_task_report(ValueError("a bug elsewhere"), caplog)
+    assert "Task exception was never retrieved" in other and "a bug elsewhere" in other
 
 
 @pytest.mark.parametrize(
