@@ -22,6 +22,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     c.download = True  # let tfds download a missing dataset (needs a network)
 
     c.policy = "mixed_float16"
+    # Where float32 values between matmuls live under a 16-bit policy: auto (float32 on CPUs, the
+    # compute dtype on GPUs/TPUs) | float32 | compute. See jamp.wrap.
+    c.activations = "auto"
     c.loss_scale = "auto"  # auto (dynamic for fp16, none otherwise) | dynamic | static | none
     c.loss_scale_params = ml_collections.ConfigDict(
         {

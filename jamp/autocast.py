@@ -23,7 +23,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
+from jamp import activations as act
 from jamp import mixed_ops
 
 ComputeFor = Callable[[jcore.JaxprEqn, Optional[np.dtype]], Optional[np.dtype]]
@@ -67,50 +69,207 @@ def _spec(aval):
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
-def _rewrite_closed(closed: jcore.ClosedJaxpr, compute_dtype, compute_for) -> jcore.ClosedJaxpr:
+@dataclasses.dataclass(frozen=True)
+class _Ctx:
+    compute_for: ComputeFor
+    lower: bool  # carry float32 activations in the 16-bit compute dtype (`jamp.activations`)
+
+
+def _cast(x, dtype):
+    """`x` as `dtype`; only float values are ever carried in another dtype than traced."""
+    if not _is_float_dtype(dtype) or _dtype(x) == dtype:
+        return x
+    if isinstance(x, (np.ndarray, np.generic)):  # a literal: stays a constant
+        return np.asarray(x, dtype)
+    return lax.convert_element_type(x, dtype)
+
+
+def _as_traced(eqn, invals):
+    """The operands in the dtypes the equation was traced with (a no-op unless some were lowered)."""
+    return [_cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)]
+
+
+def _is_float_dtype(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _dtype(x) -> np.dtype:
+    return x.dtype if hasattr(x, "dtype") else np.result_type(x)
+
+
+def _rewrite_closed(closed: jcore.ClosedJaxpr, compute_dtype, ctx: _Ctx) -> jcore.ClosedJaxpr:
+    """The sub-program with its matmuls rewritten and its signature (dtypes included) unchanged."""
+
     def run(*args):
-        return eval_jaxpr(closed.jaxpr, closed.consts, args, compute_dtype, compute_for)
+        outs, _ = _eval(closed.jaxpr, closed.consts, args, compute_dtype, ctx, None)
+        return [_cast(o, v.aval.dtype) for o, v in zip(outs, closed.jaxpr.outvars)]
 
     return jax.make_jaxpr(run)(*[_spec(v.aval) for v in closed.jaxpr.invars])
 
 
-def _rewrite_param(value, compute_dtype, compute_for):
+def _rewrite_param(value, compute_dtype, ctx: _Ctx):
     """Rewrite one equation parameter if it is (a tuple of) sub-programs containing matmuls."""
     if isinstance(value, jcore.ClosedJaxpr):
         if not _has_matmul(value.jaxpr):
             return value
-        return _rewrite_closed(value, compute_dtype, compute_for)
+        return _rewrite_closed(value, compute_dtype, ctx)
     if isinstance(value, jcore.Jaxpr):
         if not _has_matmul(value):
             return value
-        closed = _rewrite_closed(jcore.ClosedJaxpr(value, ()), compute_dtype, compute_for)
+        closed = _rewrite_closed(jcore.ClosedJaxpr(value, ()), compute_dtype, ctx)
         # An open sub-program (e.g. remat's) has no slot for constants; keep the original if the
         # rewrite needed any, rather than changing the equation's signature.
         return value if closed.consts else closed.jaxpr
     if isinstance(value, tuple) and value and all(isinstance(v, jcore.ClosedJaxpr) for v in value):
-        return tuple(_rewrite_param(v, compute_dtype, compute_for) for v in value)
+        return tuple(_rewrite_param(v, compute_dtype, ctx) for v in value)
     return value
 
 
-def _eval_eqn(eqn, invals, compute_dtype, compute_for):
-    if eqn.primitive is _DOT and _needs_rewrite(invals, compute_dtype):
-        out_dtype = eqn.outvars[0].aval.dtype
-        return [
-            mixed_ops.mixed_dot_general(
-                *invals, eqn.params["dimension_numbers"], compute_dtype, out_dtype
-            )
-        ]
-    if eqn.primitive is _CONV and _needs_rewrite(invals, compute_dtype):
-        out_dtype = eqn.outvars[0].aval.dtype
-        return [mixed_ops.mixed_conv(*invals, eqn.params, compute_dtype, out_dtype)]
-    params = {k: _rewrite_param(v, compute_dtype, compute_for) for k, v in eqn.params.items()}
+def _bind(eqn, invals, params):
     # `eqn.ctx` carries per-equation settings recorded at trace time (e.g. compute placement).
     with eqn.ctx.manager:
         out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
     return out if eqn.primitive.multiple_results else [out]
 
 
-def eval_jaxpr(jaxpr: jcore.Jaxpr, consts, args, compute_dtype, compute_for: ComputeFor):
+def _matmul_out_dtype(eqn, compute_dtype, ctx: _Ctx):
+    traced = eqn.outvars[0].aval.dtype
+    lowered = ctx.lower and compute_dtype.itemsize < 4 and act.is_lowerable(traced)
+    return compute_dtype if lowered else traced
+
+
+def _eval_as_traced(eqn, invals, compute_dtype, ctx: _Ctx):
+    """The equation with its matmuls rewritten and everything else as traced."""
+    invals = _as_traced(eqn, invals)
+    if eqn.primitive is _DOT and _needs_rewrite(invals, compute_dtype):
+        out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)
+        dims = eqn.params["dimension_numbers"]
+        return [mixed_ops.mixed_dot_general(*invals, dims, compute_dtype, out_dtype)]
+    if eqn.primitive is _CONV and _needs_rewrite(invals, compute_dtype):
+        out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)
+        return [mixed_ops.mixed_conv(*invals, eqn.params, compute_dtype, out_dtype)]
+    params = {k: _rewrite_param(v, compute_dtype, ctx) for k, v in eqn.params.items()}
+    return _bind(eqn, invals, params)
+
+
+def _eval_polymorphic(eqn, invals, weak):
+    """A shape or elementwise operation, in the dtype `jamp.activations.run_dtype` picks."""
+    traced = [v.aval.dtype for v in eqn.invars]
+    target = act.run_dtype(eqn.primitive.name, traced, [_dtype(x) for x in invals], weak)
+    cast = [
+        _cast(x, target if target is not None and act.is_lowerable(t) else t)
+        for x, t in zip(invals, traced)
+    ]
+    return _bind(eqn, cast, eqn.params)
+
+
+def _eval_custom_jvp(eqn, invals, weak, compute_dtype, ctx: _Ctx):
+    """A custom-JVP function (e.g. `jax.nn.relu`) on 16-bit operands, keeping its derivative rule.
+
+    The primal runs in the activation dtypes; the rule, as traced, runs on operands cast back.
+    """
+    call = eqn.params["call_jaxpr"]
+    traced = [v.aval.dtype for v in eqn.invars]
+
+    def body(*xs):
+        return _eval(call.jaxpr, call.consts, xs, compute_dtype, ctx, weak)[0]
+
+    specs = [jax.ShapeDtypeStruct(np.shape(x), _dtype(x)) for x in invals]
+    out_dtypes = [o.dtype for o in jax.eval_shape(body, *specs)]
+
+    def down(values):
+        return [_cast(x, d) for x, d in zip(values, out_dtypes)]
+
+    def rule(primals, tangents):
+        up = _as_traced(eqn, primals)
+        up_t = [_cast(t, d) if _is_float_dtype(t.dtype) else t for t, d in zip(tangents, traced)]
+        outs, out_t = jax.jvp(lambda *a: _bind(eqn, a, eqn.params), up, up_t)
+        return down(outs), down(out_t)
+
+    fn = jax.custom_jvp(body)
+    fn.defjvp(rule)
+    return fn(*invals)
+
+
+def _eval_lowered(eqn, invals, weak, compute_dtype, ctx: _Ctx):
+    """One equation where activations may be 16-bit; returns (outputs, whether each is weak)."""
+    name = eqn.primitive.name
+    n_out = len(eqn.outvars)
+    lowered = any(_dtype(x) != v.aval.dtype for x, v in zip(invals, eqn.invars))
+    floats_weak = all(w for x, w in zip(invals, weak) if _is_float_dtype(_dtype(x)))
+    if name == "jit":
+        closed = eqn.params["jaxpr"]
+        return _eval(closed.jaxpr, closed.consts, invals, compute_dtype, ctx, weak)
+    if name in act.POLYMORPHIC_PRIMITIVES:
+        return _eval_polymorphic(eqn, invals, weak), [floats_weak] * n_out
+    if name == "convert_element_type":
+        (x,), (v,) = invals, eqn.invars
+        if _dtype(x) != v.aval.dtype and eqn.params["new_dtype"] == v.aval.dtype:
+            return [x], list(weak)  # a no-op conversion of a lowered value (e.g. weak-type only)
+        out_weak = weak[0] or not _is_float_dtype(v.aval.dtype)  # ints made floats: data
+        return _bind(eqn, [x], eqn.params), [out_weak]
+    if lowered and name == "custom_jvp_call":
+        return _eval_custom_jvp(eqn, invals, weak, compute_dtype, ctx), [False] * n_out
+    if lowered and name == "remat2":
+
+        def body(*xs):
+            return _eval(eqn.params["jaxpr"], (), xs, compute_dtype, ctx, weak)[0]
+
+        p = eqn.params
+        outs = jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
+        return list(outs), [False] * n_out
+    # FP32_PRIMITIVES, and anything not known to take 16-bit operands: as traced.
+    return _eval_as_traced(eqn, invals, compute_dtype, ctx), [False] * n_out
+
+
+def _eval_eqn(eqn, invals, weak, compute_dtype, ctx: _Ctx):
+    if ctx.lower and compute_dtype is not None and compute_dtype.itemsize < 4:
+        return _eval_lowered(eqn, invals, weak, compute_dtype, ctx)
+    outs = _eval_as_traced(eqn, invals, compute_dtype, ctx)
+    floats_weak = all(w for x, w in zip(invals, weak) if _is_float_dtype(_dtype(x)))
+    poly = eqn.primitive.name in act.POLYMORPHIC_PRIMITIVES
+    return outs, [poly and floats_weak] * len(outs)
+
+
+def _eval(jaxpr, consts, args, compute_dtype, ctx: _Ctx, weak: Optional[Sequence[bool]]):
+    """Evaluates `jaxpr`; returns its outputs (possibly lowered) and whether each is weak."""
+    env: dict[Any, Any] = {}
+    weak_env: dict[Any, bool] = {}
+
+    def read(v):
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    def is_weak(v):
+        return True if isinstance(v, jcore.Literal) else weak_env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    weak_env.update((v, True) for v in jaxpr.constvars)
+    env.update(zip(jaxpr.invars, args))
+    weak_env.update(zip(jaxpr.invars, weak if weak is not None else [False] * len(args)))
+    for eqn in jaxpr.eqns:
+        eqn_dtype = ctx.compute_for(eqn, compute_dtype)
+        # Keep the module path of each operation, for profiles and for anyone reading the program.
+        with jax.named_scope(str(eqn.source_info.name_stack) or "_"):
+            outs, outs_weak = _eval_eqn(
+                eqn, [read(v) for v in eqn.invars], [is_weak(v) for v in eqn.invars], eqn_dtype, ctx
+            )
+        for var, val, w in zip(eqn.outvars, outs, outs_weak):
+            if not isinstance(var, jcore.DropVar):
+                env[var] = val
+                weak_env[var] = w
+    return [read(v) for v in jaxpr.outvars], [is_weak(v) for v in jaxpr.outvars]
+
+
+def eval_jaxpr(
+    jaxpr: jcore.Jaxpr,
+    consts,
+    args,
+    compute_dtype,
+    compute_for: ComputeFor,
+    *,
+    activations: str = "float32",
+    weak: Optional[Sequence[bool]] = None,
+):
     """Evaluate `jaxpr` on `args`, with matmuls in the dtype that `compute_for` picks per equation.
 
     Args:
@@ -119,26 +278,18 @@ def eval_jaxpr(jaxpr: jcore.Jaxpr, consts, args, compute_dtype, compute_for: Com
       args: values of its invars (arrays or tracers).
       compute_dtype: the dtype in force where no equation says otherwise (None: as traced).
       compute_for: `(eqn, inherited_dtype) -> dtype or None`.
+      activations: "float32" keeps every value in its traced dtype; "compute" lets float32 values
+        between operations be carried in a 16-bit compute dtype (see `jamp.activations`);
+        "auto" picks per platform.
+      weak: per argument, whether it takes the dtype of what it is combined with (e.g. the
+        model's variables); see `jamp.activations`.
 
     Returns:
-      The list of output values.
+      The list of output values, in the dtypes the program was traced with.
     """
-    env: dict[Any, Any] = {}
-
-    def read(v):
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    env.update(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        eqn_dtype = compute_for(eqn, compute_dtype)
-        # Keep the module path of each operation, for profiles and for anyone reading the program.
-        with jax.named_scope(str(eqn.source_info.name_stack) or "_"):
-            outs = _eval_eqn(eqn, [read(v) for v in eqn.invars], eqn_dtype, compute_for)
-        for var, val in zip(eqn.outvars, outs):
-            if not isinstance(var, jcore.DropVar):
-                env[var] = val
-    return [read(v) for v in jaxpr.outvars]
+    ctx = _Ctx(compute_for, act.resolve(activations) == "compute")
+    outs, _ = _eval(jaxpr, consts, args, compute_dtype, ctx, weak)
+    return [_cast(o, v.aval.dtype) for o, v in zip(outs, jaxpr.outvars)]
 
 
 def _inherit(eqn, inherited):
@@ -150,7 +301,14 @@ def _is_traceable(leaf) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
 
-def autocast(fn: Callable, compute_dtype, compute_for: ComputeFor = _inherit) -> Callable:
+def autocast(
+    fn: Callable,
+    compute_dtype,
+    compute_for: ComputeFor = _inherit,
+    *,
+    activations: str = "auto",
+    weak_argnums: Sequence[int] = (),
+) -> Callable:
     """Return `fn` with its matmuls and convolutions run in `compute_dtype`.
 
     Array arguments (and array leaves of pytree arguments) are traced; every other leaf (Python
@@ -160,15 +318,29 @@ def autocast(fn: Callable, compute_dtype, compute_for: ComputeFor = _inherit) ->
       fn: any JAX-traceable function returning a pytree of arrays.
       compute_dtype: dtype of matmul and convolution operands (None leaves them as traced).
       compute_for: optional per-equation choice of compute dtype (see the module docstring).
+      activations: where float32 values between operations live: "float32" (as traced),
+        "compute" (in a 16-bit compute dtype where `jamp.activations` allows) or "auto" (float32
+        on CPUs, compute elsewhere).
+      weak_argnums: positional arguments whose leaves are weak in the sense of
+        `jamp.activations` (a model's variables): combined with a 16-bit activation they take its
+        dtype instead of promoting it to float32.
 
     Returns:
       A function with `fn`'s signature and output dtypes.
     """
     compute_dtype = None if compute_dtype is None else np.dtype(compute_dtype)
+    act.resolve(activations)  # a bad value fails here, not at the first call
 
     def wrapped(*args, **kwargs):
         leaves, treedef = jax.tree.flatten((args, kwargs))
         traced = [_is_traceable(leaf) for leaf in leaves]
+        weak_leaves = [False] * len(leaves)
+        offset = 0
+        for i, arg in enumerate(args):
+            n = len(jax.tree.leaves(arg))
+            if i in weak_argnums:
+                weak_leaves[offset : offset + n] = [True] * n
+            offset += n
 
         def flat_fn(*arrays):
             it = iter(arrays)
@@ -177,8 +349,17 @@ def autocast(fn: Callable, compute_dtype, compute_for: ComputeFor = _inherit) ->
             return fn(*a, **kw)
 
         arrays = [leaf for leaf, t in zip(leaves, traced) if t]
+        weak = [w for w, t in zip(weak_leaves, traced) if t]
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
-        outs = eval_jaxpr(closed.jaxpr, closed.consts, arrays, compute_dtype, compute_for)
+        outs = eval_jaxpr(
+            closed.jaxpr,
+            closed.consts,
+            arrays,
+            compute_dtype,
+            compute_for,
+            activations=activations,
+            weak=weak,
+        )
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     return wrapped

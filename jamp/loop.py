@@ -124,7 +124,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
             f"{dataset.info.task} data"
         )
     try:
-        model = wrap(get_model(run.model, dataset.info.num_classes, **run.model_config), run.policy)
+        model = wrap(
+            get_model(run.model, dataset.info.num_classes, **run.model_config),
+            run.policy,
+            activations=run.activations,
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
     workdir = prepare_workdir(workdir)

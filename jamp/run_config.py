@@ -20,6 +20,7 @@ import jmp
 import ml_collections
 import numpy as np
 
+from jamp import activations as activations_lib
 from jamp import data as data_lib
 from jamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jamp.models import model_task
@@ -42,6 +43,7 @@ class RunConfig:
     model_config: dict
     batch_size: int
     policy: jmp.Policy
+    activations: str
     loss_scale: Any
     num_train_steps: int
     accumulation_steps: int
@@ -116,6 +118,7 @@ def parse_config(config: ml_collections.ConfigDict):
         )
     try:
         policy = get_policy(config.policy)
+        activations_lib.resolve(config.activations)
         loss_scale = _make_loss_scale(config.loss_scale, config.loss_scale_params, policy)
         task = model_task(config.model)
         optim = OptimConfig(
@@ -158,6 +161,7 @@ def parse_config(config: ml_collections.ConfigDict):
         model_config=config.model_config.to_dict(),
         batch_size=config.batch_size,
         policy=policy,
+        activations=config.activations,
         loss_scale=loss_scale,
         num_train_steps=config.num_train_steps,
         accumulation_steps=config.accumulation_steps,

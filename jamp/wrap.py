@@ -35,6 +35,7 @@ import jmp
 import numpy as np
 from flax.core import DenyList
 
+from jamp import activations as activations_lib
 from jamp import autocast as autocast_lib
 from jamp.precision import get_policy
 
@@ -92,6 +93,7 @@ class Wrapped(nn.Module):
     module: nn.Module
     policy: jmp.Policy
     overrides: tuple[tuple[OverrideKey, jmp.Policy], ...] = ()
+    activations: str = "auto"
 
     # ----- how a call runs. `nowrap`: Flax must not treat these helpers as module methods, or the
     # interceptor would intercept itself.
@@ -130,9 +132,15 @@ class Wrapped(nn.Module):
             with nn.intercept_methods(self._interceptor):
                 return fn(*a, **kw)
 
-        return autocast_lib.autocast(traced, self.policy.compute_dtype, self._compute_for)(
-            *args, **kwargs
-        )
+        # The first argument is `variables` (or init's rngs): weak, so that `x @ w + b` keeps
+        # a 16-bit activation 16-bit when activations are carried in the compute dtype.
+        return autocast_lib.autocast(
+            traced,
+            self.policy.compute_dtype,
+            self._compute_for,
+            activations=self.activations,
+            weak_argnums=(0,),
+        )(*args, **kwargs)
 
     # ----- the linen entry points, with the inner module's signatures
 
@@ -220,6 +228,8 @@ def wrap(
     module: nn.Module,
     policy: PolicyLike,
     overrides: Optional[Mapping[OverrideKey, PolicyLike]] = None,
+    *,
+    activations: str = "auto",
 ) -> Wrapped:
     """Return `module` running under a precision policy, without editing the module.
 
@@ -230,6 +240,11 @@ def wrap(
         the submodule path, e.g. "Decoder_0/head*") to the policy that submodules they match run
         under. The first match in this mapping wins; the classes in `FP32_MODULES` run in float32
         unless a key here matches them first.
+      activations: where the float32 values between matmuls live under a 16-bit compute dtype:
+        "float32" (as the model traced them; the fast form on CPUs), "compute" (16-bit wherever
+        `jamp.activations` allows: half the memory traffic, the fast form on GPUs and TPUs) or
+        "auto" (float32 on CPUs, compute elsewhere). Normalization layers, sums, exponentials
+        and the loss stay float32 either way.
 
     Returns:
       A `Wrapped` linen module with `module`'s `init` / `init_with_output` / `apply` signatures.
@@ -247,4 +262,7 @@ def wrap(
     ]
     fp32 = get_policy("float32")
     pairs += [(cls, fp32) for cls in FP32_MODULES]
-    return Wrapped(module=module, policy=get_policy(policy), overrides=tuple(pairs))
+    activations_lib.resolve(activations)  # reject a bad value here, with the accepted ones
+    return Wrapped(
+        module=module, policy=get_policy(policy), overrides=tuple(pairs), activations=activations
+    )

@@ -32,6 +32,7 @@ PUBLIC = {
 RANK = {
     "precision": 0,
     "mixed_ops": 0,
+    "activations": 0,
     "loss_scale": 1,
     "autocast": 1,
     "wrap": 2,

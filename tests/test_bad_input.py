@@ -28,6 +28,7 @@ policy_empty    | policy=                                 | policy '': empty str
 policy_twice    | policy=c=bf16,c=f16                     | duplicate key 'c' (compute given twice)
 policy_int8     | policy=compute=int8                     | unknown dtype 'int8'
 policy_dtype    | policy=bfloat17                         | unknown dtype 'bfloat17'
+activations     | activations=fast                        | activations='fast' is not one of 'a
 # loss scales
 scale_kind      | loss_scale=sometimes                    | unknown loss_scale 'sometimes'
 initial_neg     | LS.initial=-1                           | initial must be finite and > 0, got -1.0
