@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000, help="the default recipe's 1000")
     parser.add_argument("--data_dir", default="", help="tfds data_dir (default: tfds's)")
     parser.add_argument("--out", default=str(RESULTS / "accuracy_digits_cpu.md"))
+    parser.add_argument("--activations", default="auto", help="--config.activations of every run")
     args = parser.parse_args()
 
     accuracy: dict[str, list[float]] = {p: [] for p in POLICIES}
@@ -64,7 +65,8 @@ def main() -> None:
         for seed in range(args.seeds):
             for policy in POLICIES:
                 records = run(policy, seed, args.steps, pathlib.Path(tmp) / f"{policy}-{seed}",
-                              args.data_dir)  # fmt: skip
+                              args.data_dir,
+                              overrides=[f"--config.activations={args.activations}"])  # fmt: skip
                 accuracy[policy].append(final_accuracy(records))
                 if seed == 0:
                     curves[policy] = records
@@ -81,10 +83,12 @@ def main() -> None:
         "",
         f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
         f"- command: `python experiments/accuracy_digits.py --seeds {args.seeds} "
-        f"--steps {args.steps}`",
+        f"--steps {args.steps}"
+        + (f" --activations {args.activations}`" if args.activations != "auto" else "`"),
         f"- machine: {cpu_description()}, {os.cpu_count()} cores, CPU only",
         f"- recipe: configs/default.py (Adam 1e-3, batch 64, {args.steps} steps), 300 test images;"
-        " one image is 0.33 points",
+        f" one image is 0.33 points; activations={args.activations!r} (jamp.wrap; auto: float32 "
+        "on CPUs)",
         "",
         "| policy | accuracy per seed | mean | vs float32 (points) |",
         "|---|---|---|---|",

@@ -2,6 +2,8 @@
 
     cd /work/main && python experiments/accuracy_lm.py            # 4 policies x 2 seeds, ~10 min
     cd /work/main && python experiments/accuracy_lm.py --seeds 1 --steps 100   # quick look
+    cd /work/main && python experiments/accuracy_lm.py --activations compute \
+        --out experiments/results/accuracy_lm_cpu_act16.md     # with 16-bit activations
 
 Every run is the real training program (`python -m jamp.train --config=configs/lm_pydoc.py`,
 offline: CPython's pydoc topics, prepared once as a tfds dataset) with only `--config.policy` and
@@ -130,6 +132,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600, help="the recipe's 600")
     parser.add_argument("--data_dir", default="", help="tfds data_dir (default: tfds's)")
     parser.add_argument("--out", default=str(RESULTS / "accuracy_lm_cpu.md"))
+    parser.add_argument("--activations", default="auto", help="--config.activations of every run")
     args = parser.parse_args()
 
     warmup = max(1, args.steps // 10)  # the recipe's 60 of 600, also for shorter runs
@@ -143,7 +146,8 @@ def main() -> None:
                 workdir = pathlib.Path(tmp) / f"{policy}-{seed}"
                 t0 = time.perf_counter()
                 run_records = run(policy, seed, args.steps, workdir, args.data_dir, CONFIG,
-                                  overrides=[f"--config.warmup_steps={warmup}"])  # fmt: skip
+                                  overrides=[f"--config.warmup_steps={warmup}",
+                                             f"--config.activations={args.activations}"])  # fmt: skip
                 seconds[policy].append(time.perf_counter() - t0)
                 config = config or json.loads((workdir / "config.json").read_text())
                 finals[policy].append(final_eval(run_records))
@@ -164,6 +168,8 @@ def main() -> None:
     command = f"python experiments/accuracy_lm.py --seeds {args.seeds} --steps {args.steps}"
     if args.data_dir:
         command += f" --data_dir {args.data_dir}"
+    if args.activations != "auto":
+        command += f" --activations {args.activations}"
     m = config["model_config"]
     bits = 1 / math.log(2)
     loss = {p: [e["loss"] for e in finals[p]] for p in POLICIES}
@@ -179,7 +185,8 @@ def main() -> None:
         f"{m['num_heads']} heads, MLP {m['mlp_dim']}; {config['optimizer']} "
         f"{config['learning_rate']:g} ({config['schedule']}, {config['warmup_steps']} warmup "
         f"steps), grad-norm clip {config['max_grad_norm']:g}; batch {config['batch_size']} x "
-        f"{config['seq_len']} bytes, {args.steps} steps",
+        f"{config['seq_len']} bytes, {args.steps} steps; activations={args.activations!r} "
+        "(jamp.wrap; auto: float32 on CPUs)",
         f"- data: {dataset_facts(args.data_dir, config['seq_len'])}; the test loss is over every "
         "byte of the test windows",
         '- mean ± sd over seeds; "vs float32" is the mean of the per-seed differences (a seed '
