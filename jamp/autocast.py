@@ -2,9 +2,11 @@
 
 `autocast(fn, compute_dtype)` traces `fn` to a jaxpr and evaluates it again, replacing every
 `dot_general` and `conv_general_dilated` whose floating operands are not already in the compute
-dtype by its mixed-precision form (`jamp.mixed_ops`). Every other operation runs exactly as traced,
-so reductions, softmax, normalization and the loss keep their float32 numerics, and the function's
-inputs, outputs and intermediate dtypes are unchanged.
+dtype by its mixed-precision form (`jamp.mixed_ops`). With `activations="float32"` every other
+operation runs exactly as traced, so reductions, softmax, normalization and the loss keep their
+float32 numerics and every intermediate dtype is unchanged; with `activations="compute"` the
+values between matmuls may be carried in the 16-bit compute dtype, operation by operation as
+`jamp.activations` decides. Either way the function's inputs and outputs keep their dtypes.
 
 Working on the traced program rather than on module attributes is what lets a policy reach matmuls
 that no `dtype=` argument controls: layers that hard-code `dtype=jnp.float32`, raw `x @ param`
@@ -140,7 +142,10 @@ def _matmul_out_dtype(eqn, compute_dtype, ctx: _Ctx):
 
 def _eval_as_traced(eqn, invals, compute_dtype, ctx: _Ctx):
     """The equation with its matmuls rewritten and everything else as traced."""
-    invals = _as_traced(eqn, invals)
+    # The mixed matmuls cast their operands themselves: a 16-bit activation goes in as it is, and
+    # its gradient comes back 16-bit.
+    if eqn.primitive not in (_DOT, _CONV) or not _needs_rewrite(invals, compute_dtype):
+        invals = _as_traced(eqn, invals)
     if eqn.primitive is _DOT and _needs_rewrite(invals, compute_dtype):
         out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)
         dims = eqn.params["dimension_numbers"]
@@ -197,6 +202,8 @@ def _eval_lowered(eqn, invals, weak, compute_dtype, ctx: _Ctx):
     n_out = len(eqn.outvars)
     lowered = any(_dtype(x) != v.aval.dtype for x, v in zip(invals, eqn.invars))
     floats_weak = all(w for x, w in zip(invals, weak) if _is_float_dtype(_dtype(x)))
+    if name in act.FP32_PRIMITIVES:
+        return _eval_as_traced(eqn, invals, compute_dtype, ctx), [False] * n_out
     if name == "jit":
         closed = eqn.params["jaxpr"]
         return _eval(closed.jaxpr, closed.consts, invals, compute_dtype, ctx, weak)
@@ -218,7 +225,7 @@ def _eval_lowered(eqn, invals, weak, compute_dtype, ctx: _Ctx):
         p = eqn.params
         outs = jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
         return list(outs), [False] * n_out
-    # FP32_PRIMITIVES, and anything not known to take 16-bit operands: as traced.
+    # Anything else (sub-programs, matmuls, unknown operations): as traced.
     return _eval_as_traced(eqn, invals, compute_dtype, ctx), [False] * n_out
 
 

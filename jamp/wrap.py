@@ -7,10 +7,11 @@ variables, same call arguments) but:
   float32 and hands float32 gradients back to float32 parameters (see `jamp.autocast`); this
   reaches layers that hard-code `dtype=jnp.float32`, raw `x @ self.param(...)` products and shared
   or nested submodules alike;
-* everything else (activations, reductions, softmax, normalization statistics) runs as the model
-  was written, normally in float32. On CPUs and for bandwidth this is the fast form: XLA:CPU
-  computes 16-bit elementwise math in float32 anyway, while bf16 x bf16 -> fp32 matmuls run at
-  nearly twice the float32 rate;
+* reductions, softmax, normalization statistics and the loss stay float32; the activations
+  between matmuls stay float32 on CPUs (XLA:CPU computes 16-bit elementwise math in float32
+  anyway, while bf16 x bf16 -> fp32 matmuls run at nearly twice the float32 rate) and are
+  carried in the compute dtype on GPUs and TPUs, where elementwise work is bandwidth-bound
+  (`activations=`, see `jamp.activations`);
 * normalization layers (and anything else named in `overrides`) run under their own policy,
   float32 by default;
 * parameters are created in the policy's param dtype and outputs are cast to its output dtype.

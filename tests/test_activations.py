@@ -165,6 +165,10 @@ def test_auto_is_float32_activations_on_cpu_and_float32_policy_is_untouched(name
     )
 
 
+def test_primitive_lists_are_disjoint():
+    assert not activations.FP32_PRIMITIVES & activations.POLYMORPHIC_PRIMITIVES
+
+
 def test_bad_activations_value_is_one_clear_error():
     with pytest.raises(ValueError, match="activations='fast' is not one of 'auto', 'compute'"):
         wrap(MODELS["shared"][0], "mixed_bfloat16", activations="fast")
