@@ -4,14 +4,19 @@ Under a mixed policy a matmul's result may stay in the compute dtype ("16-bit ac
 `activations="compute"`) instead of going back to float32. Then every operation downstream sees a
 mix of 16-bit and float32 inputs, and this module decides, per operation, what it runs in:
 
-* numerically fragile operations (sums, exponentials, logarithms, powers, cumulative sums) run
-  in float32, as traced: their 16-bit inputs are cast up, as PyTorch's autocast does;
+* numerically fragile operations (sums, exponentials, logarithms, `pow`, cumulative sums; with
+  float16 also squares and integer powers, which leave its range first) run in float32, as
+  traced: their 16-bit inputs are cast up, as PyTorch's autocast does;
 * shape, selection and plain elementwise operations (add, mul, tanh, max, reshape, where, ...)
   run in the widest dtype among their *strong* float inputs; *weak* inputs (literals, constants,
   the model's variables and anything computed from those alone, e.g. a broadcast bias) take that
   dtype. So `x @ w + b` stays 16-bit, while a 16-bit branch added to a float32 residual stream
   gives float32 (as in PyTorch), and a softmax's normalisation divides in float32;
-* everything else runs as traced, on inputs cast back to their traced dtypes.
+* a value computed from data (an embedding looked up by token ids, a padding mask) is strong
+  even when the table it indexes is a variable;
+* everything else runs as traced, on inputs cast back to their traced dtypes. Sub-programs
+  (`scan`, `cond`, `while_loop` bodies) keep their signature; inside them the same rules apply,
+  with the carried state strong.
 
 Which form is faster depends on the platform: on GPUs and TPUs elementwise work is bound by memory
 bandwidth and 16-bit activations halve it; XLA:CPU computes 16-bit elementwise math in float32
@@ -57,6 +62,10 @@ FP32_PRIMITIVES = frozenset(
         "digamma",
     }
 )
+
+#: Run in float32 when the compute dtype is float16, whose range their results leave first
+#: (`mul` of a value by itself counts as a square).
+FP16_RANGE_PRIMITIVES = frozenset({"integer_pow", "square"})
 
 #: Take any float dtype, as long as their float operands share it; their float results have it.
 POLYMORPHIC_PRIMITIVES = frozenset(
@@ -134,7 +143,16 @@ def resolve(activations: str) -> str:
 
 def is_lowerable(dtype) -> bool:
     """Values traced in float32 are the ones that may be carried in 16 bits."""
-    return np.dtype(dtype) == _F32
+    return jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype) == _F32
+
+
+def runs_in_fp32(primitive: str, compute_dtype) -> bool:
+    """Whether the operation runs in float32 whatever its operands' dtypes."""
+    if primitive in FP32_PRIMITIVES:
+        return True
+    # fp16 tops out at 65504: a square overflows from 256 on (an RMSNorm, a norm). bf16 has
+    # float32's range, and squares there cost no more precision than any other bf16 operation.
+    return primitive in FP16_RANGE_PRIMITIVES and np.dtype(compute_dtype) == np.float16
 
 
 def run_dtype(
@@ -152,7 +170,7 @@ def run_dtype(
       weak: whether each operand is weak (a literal, constant or variable, or made of those).
     """
     del primitive
-    strong = {np.dtype(c) for t, c, w in zip(traced, current, weak) if is_lowerable(t) and not w}
+    strong = {c for t, c, w in zip(traced, current, weak) if is_lowerable(t) and not w}
     if not strong or _F32 in strong or len(strong) > 1:
         return None
     return strong.pop()

@@ -10,8 +10,9 @@ values between matmuls may be carried in the 16-bit compute dtype, operation by 
 
 Working on the traced program rather than on module attributes is what lets a policy reach matmuls
 that no `dtype=` argument controls: layers that hard-code `dtype=jnp.float32`, raw `x @ param`
-products, shared submodules, and matmuls inside `jit`, `scan`, `cond`, `remat` or custom-derivative
-functions.
+products, shared submodules, and matmuls inside `jit`, `scan`, `cond`, `while_loop` and `remat`.
+Custom-derivative functions (`jax.custom_jvp` / `custom_vjp`) are the exception: their primal is
+rewritten, but under differentiation their own rules run as written, matmuls included.
 
 Where an equation runs is decided by `compute_for(eqn, inherited)`, which returns the compute dtype
 for that equation (or None to leave it as traced); `inherited` is the dtype chosen for the enclosing
@@ -99,32 +100,55 @@ def _dtype(x) -> np.dtype:
     return x.dtype if hasattr(x, "dtype") else np.result_type(x)
 
 
-def _rewrite_closed(closed: jcore.ClosedJaxpr, compute_dtype, ctx: _Ctx) -> jcore.ClosedJaxpr:
+def _rewrite_closed(
+    closed: jcore.ClosedJaxpr, compute_dtype, ctx: _Ctx, weak=None
+) -> jcore.ClosedJaxpr:
     """The sub-program with its matmuls rewritten and its signature (dtypes included) unchanged."""
 
     def run(*args):
-        outs, _ = _eval(closed.jaxpr, closed.consts, args, compute_dtype, ctx, None)
+        outs, _ = _eval(closed.jaxpr, closed.consts, args, compute_dtype, ctx, weak)
         return [_cast(o, v.aval.dtype) for o, v in zip(outs, closed.jaxpr.outvars)]
 
     return jax.make_jaxpr(run)(*[_spec(v.aval) for v in closed.jaxpr.invars])
 
 
-def _rewrite_param(value, compute_dtype, ctx: _Ctx):
-    """Rewrite one equation parameter if it is (a tuple of) sub-programs containing matmuls."""
+def _rewrite_param(value, compute_dtype, ctx: _Ctx, weak=None):
+    """Rewrite one equation parameter if it is (a tuple of) sub-programs containing matmuls.
+
+    `weak` gives, per input of the sub-program, whether it is weak (None: none is).
+    """
     if isinstance(value, jcore.ClosedJaxpr):
         if not _has_matmul(value.jaxpr):
             return value
-        return _rewrite_closed(value, compute_dtype, ctx)
+        return _rewrite_closed(value, compute_dtype, ctx, weak)
     if isinstance(value, jcore.Jaxpr):
         if not _has_matmul(value):
             return value
-        closed = _rewrite_closed(jcore.ClosedJaxpr(value, ()), compute_dtype, ctx)
+        closed = _rewrite_closed(jcore.ClosedJaxpr(value, ()), compute_dtype, ctx, weak)
         # An open sub-program (e.g. remat's) has no slot for constants; keep the original if the
         # rewrite needed any, rather than changing the equation's signature.
         return value if closed.consts else closed.jaxpr
     if isinstance(value, tuple) and value and all(isinstance(v, jcore.ClosedJaxpr) for v in value):
-        return tuple(_rewrite_param(v, compute_dtype, ctx) for v in value)
+        return tuple(_rewrite_param(v, compute_dtype, ctx, weak) for v in value)
     return value
+
+
+def _body_weak(eqn, weak) -> dict:
+    """param name -> which inputs of that sub-program are weak: the loop-invariant operands
+    (a layer's variables) keep their weakness, the carried state is strong."""
+    p, name = eqn.params, eqn.primitive.name
+    if name == "jit":
+        return {"jaxpr": list(weak)}
+    if name == "scan":
+        consts, carry = p["num_consts"], p["num_carry"]
+        return {"jaxpr": weak[:consts] + [False] * carry + weak[consts + carry :]}
+    if name == "cond":
+        return {"branches": weak[1:]}  # after the branch index
+    if name == "while":
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        carry = [False] * (len(weak) - nc - nb)
+        return {"cond_jaxpr": weak[:nc] + carry, "body_jaxpr": weak[nc : nc + nb] + carry}
+    return {}
 
 
 def _bind(eqn, invals, params):
@@ -140,7 +164,7 @@ def _matmul_out_dtype(eqn, compute_dtype, ctx: _Ctx):
     return compute_dtype if lowered else traced
 
 
-def _eval_as_traced(eqn, invals, compute_dtype, ctx: _Ctx):
+def _eval_as_traced(eqn, invals, compute_dtype, ctx: _Ctx, weak=None):
     """The equation with its matmuls rewritten and everything else as traced."""
     # The mixed matmuls cast their operands themselves: a 16-bit activation goes in as it is, and
     # its gradient comes back 16-bit.
@@ -153,18 +177,37 @@ def _eval_as_traced(eqn, invals, compute_dtype, ctx: _Ctx):
     if eqn.primitive is _CONV and _needs_rewrite(invals, compute_dtype):
         out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)
         return [mixed_ops.mixed_conv(*invals, eqn.params, compute_dtype, out_dtype)]
-    params = {k: _rewrite_param(v, compute_dtype, ctx) for k, v in eqn.params.items()}
+    body_weak = _body_weak(eqn, list(weak)) if ctx.lower and weak is not None else {}
+    params = {
+        k: _rewrite_param(v, compute_dtype, ctx, body_weak.get(k)) for k, v in eqn.params.items()
+    }
     return _bind(eqn, invals, params)
+
+
+def _saturate(x, dtype):
+    """`x` as `dtype` with finite values clipped to its range: a weak fill such as Flax's
+    `finfo(float32).min` mask value must stay finite (-inf would make a fully masked softmax row
+    NaN); infinities and NaN pass unchanged."""
+    info = jnp.finfo(dtype)
+    if isinstance(x, (np.ndarray, np.generic)):  # a literal: clipped now, not in the program
+        x = np.asarray(x)
+        return np.where(np.isfinite(x), np.clip(x, info.min, info.max), x).astype(dtype)
+    clipped = jnp.clip(x, float(info.min), float(info.max))
+    return jnp.where(jnp.isfinite(x), clipped, x).astype(dtype)
 
 
 def _eval_polymorphic(eqn, invals, weak):
     """A shape or elementwise operation, in the dtype `jamp.activations.run_dtype` picks."""
     traced = [v.aval.dtype for v in eqn.invars]
     target = act.run_dtype(eqn.primitive.name, traced, [_dtype(x) for x in invals], weak)
-    cast = [
-        _cast(x, target if target is not None and act.is_lowerable(t) else t)
-        for x, t in zip(invals, traced)
-    ]
+    cast = []
+    for x, t, w in zip(invals, traced, weak):
+        if target is None or not act.is_lowerable(t):
+            cast.append(_cast(x, t))
+        elif w and _dtype(x) != target:
+            cast.append(_saturate(x, target))
+        else:
+            cast.append(_cast(x, target))
     return _bind(eqn, cast, eqn.params)
 
 
@@ -201,23 +244,23 @@ def _eval_lowered(eqn, invals, weak, compute_dtype, ctx: _Ctx):
     name = eqn.primitive.name
     n_out = len(eqn.outvars)
     lowered = any(_dtype(x) != v.aval.dtype for x, v in zip(invals, eqn.invars))
-    floats_weak = all(w for x, w in zip(invals, weak) if _is_float_dtype(_dtype(x)))
-    if name in act.FP32_PRIMITIVES:
+    all_weak = all(weak)  # e.g. a gather of a weak table by data indices is data: strong
+    squares = name == "mul" and eqn.invars[0] is eqn.invars[1]  # x * x, as in jnp.linalg.norm
+    if act.runs_in_fp32("square" if squares else name, compute_dtype):
         return _eval_as_traced(eqn, invals, compute_dtype, ctx), [False] * n_out
-    if name == "jit":
+    if lowered and name == "jit":  # inlined, so that its 16-bit results stay 16-bit
         closed = eqn.params["jaxpr"]
         return _eval(closed.jaxpr, closed.consts, invals, compute_dtype, ctx, weak)
     if name in act.POLYMORPHIC_PRIMITIVES:
-        return _eval_polymorphic(eqn, invals, weak), [floats_weak] * n_out
+        return _eval_polymorphic(eqn, invals, weak), [all_weak] * n_out
     if name == "convert_element_type":
         (x,), (v,) = invals, eqn.invars
         if _dtype(x) != v.aval.dtype and eqn.params["new_dtype"] == v.aval.dtype:
             return [x], list(weak)  # a no-op conversion of a lowered value (e.g. weak-type only)
-        out_weak = weak[0] or not _is_float_dtype(v.aval.dtype)  # ints made floats: data
-        return _bind(eqn, [x], eqn.params), [out_weak]
+        return _bind(eqn, [x], eqn.params), list(weak)
     if lowered and name == "custom_jvp_call":
         return _eval_custom_jvp(eqn, invals, weak, compute_dtype, ctx), [False] * n_out
-    if lowered and name == "remat2":
+    if name == "remat2":  # re-applied, so that its 16-bit results stay 16-bit
 
         def body(*xs):
             return _eval(eqn.params["jaxpr"], (), xs, compute_dtype, ctx, weak)[0]
@@ -226,16 +269,15 @@ def _eval_lowered(eqn, invals, weak, compute_dtype, ctx: _Ctx):
         outs = jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
         return list(outs), [False] * n_out
     # Anything else (sub-programs, matmuls, unknown operations): as traced.
-    return _eval_as_traced(eqn, invals, compute_dtype, ctx), [False] * n_out
+    return _eval_as_traced(eqn, invals, compute_dtype, ctx, weak), [False] * n_out
 
 
 def _eval_eqn(eqn, invals, weak, compute_dtype, ctx: _Ctx):
     if ctx.lower and compute_dtype is not None and compute_dtype.itemsize < 4:
         return _eval_lowered(eqn, invals, weak, compute_dtype, ctx)
     outs = _eval_as_traced(eqn, invals, compute_dtype, ctx)
-    floats_weak = all(w for x, w in zip(invals, weak) if _is_float_dtype(_dtype(x)))
     poly = eqn.primitive.name in act.POLYMORPHIC_PRIMITIVES
-    return outs, [poly and floats_weak] * len(outs)
+    return outs, [poly and all(weak)] * len(outs)
 
 
 def _eval(jaxpr, consts, args, compute_dtype, ctx: _Ctx, weak: Optional[Sequence[bool]]):
@@ -296,7 +338,11 @@ def eval_jaxpr(
     """
     ctx = _Ctx(compute_for, act.resolve(activations) == "compute")
     outs, _ = _eval(jaxpr, consts, args, compute_dtype, ctx, weak)
-    return [_cast(o, v.aval.dtype) for o, v in zip(outs, jaxpr.outvars)]
+    # A literal output (e.g. a constant returned by an inlined jit) comes back as an array.
+    return [
+        jnp.asarray(o, v.aval.dtype) if isinstance(v, jcore.Literal) else _cast(o, v.aval.dtype)
+        for o, v in zip(outs, jaxpr.outvars)
+    ]
 
 
 def _inherit(eqn, inherited):

@@ -60,10 +60,11 @@ def test_transformer_activations_are_16_bit_where_safe_and_fp32_where_fragile():
         )
         for mode in ("float32", "compute")
     }
-    # The MLP's GELU (tanh), the attention mask (select_n) and the scores' max: 16-bit.
-    for name in ("tanh", "select_n", "integer_pow"):
+    # The MLP's GELU (tanh, its cube) and the attention mask's select: 16-bit.
+    for name in ("tanh", "integer_pow"):
         assert ops["compute"][name] == {BF16}, name
         assert ops["float32"][name] == {F32}, name
+    assert BF16 in ops["compute"]["select_n"] and BF16 not in ops["float32"]["select_n"]
     # Exponentials and sums (softmax), LayerNorm's rsqrt: float32 in both modes.
     for name in ("exp", "reduce_sum", "rsqrt"):
         assert ops["compute"][name] == {F32}, name
@@ -85,6 +86,71 @@ def test_dense_bias_add_stays_16_bit_but_a_strong_fp32_operand_promotes():
     adds = [np.dtype(e.outvars[0].aval.dtype) for e in jaxpr.eqns if e.primitive.name == "add"]
     assert adds == [BF16, F32]  # x @ w + b in bf16; + other (a float32 input) in float32
     assert model.apply(variables, x, other).dtype == F32
+
+
+def test_data_indexed_variables_are_strong_so_the_residual_stream_stays_fp32():
+    # An embedding lookup is data (table weak, token ids strong): the residual stream it starts
+    # stays fp32 when a 16-bit branch is added to it, as under PyTorch's autocast.
+    def f(table, w, ids):
+        x = table[ids]
+        return x + jnp.tanh(x @ w)
+
+    table, w, ids = jnp.ones((10, 8)), jnp.ones((8, 8)), jnp.arange(4)
+    fn = autocast(f, jnp.bfloat16, activations="compute", weak_argnums=(0, 1))
+    jaxpr = jax.make_jaxpr(fn)(table, w, ids).jaxpr
+    ops = _out_dtypes(jaxpr)
+    assert ops["tanh"] == {BF16} and ops["add"] == {F32}
+
+
+@pytest.mark.parametrize("compute", [BF16, F16])
+def test_masking_with_the_fp32_minimum_stays_finite_in_16_bits(compute):
+    # Flax masks attention with finfo(float32).min, which overflows to -inf in bf16 and f16; a
+    # fully masked row would then be NaN. Weak fills are clipped to the 16-bit range instead.
+    def f(x, w, mask):
+        s = jnp.where(mask, x @ w, jnp.finfo(jnp.float32).min)
+        return jax.nn.softmax(s, axis=-1)
+
+    x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+    mask = jnp.array([[True] * 4, [False] * 4])
+    got = autocast(f, compute, activations="compute")(x, w, mask)
+    np.testing.assert_allclose(got, f(x, w, mask), rtol=1e-6)
+    # An explicit infinity is kept: fully masked with -inf is NaN in fp32 and stays NaN.
+    inf = autocast(lambda x, w, m: jnp.where(m, x @ w, -jnp.inf), compute, activations="compute")
+    assert np.isneginf(np.asarray(inf(x, w, mask))[1]).all()
+
+
+def test_fp16_squares_run_in_fp32_so_norms_of_large_activations_do_not_overflow():
+    # fp16 overflows at 65504: squares of values from 256 on. An RMSNorm and a vector norm on
+    # activations of ~300 stay finite; with bf16 (fp32's range) squares stay 16-bit.
+    def f(x, w):
+        h = x @ w
+        rms = h * jax.lax.rsqrt(jnp.mean(jnp.square(h), -1, keepdims=True) + 1e-6)
+        return rms, jnp.linalg.norm(h, axis=-1), jnp.mean(h**2, -1)
+
+    x, w = jnp.full((2, 8), 10.0), jnp.full((8, 4), 4.0)  # h = 320
+    ref = f(x, w)
+    got = autocast(f, jnp.float16, activations="compute")(x, w)
+    for r, g in zip(ref, got):
+        np.testing.assert_allclose(g, r, rtol=2e-3)
+    ops = _out_dtypes(jax.make_jaxpr(autocast(f, jnp.bfloat16, activations="compute"))(x, w).jaxpr)
+    assert BF16 in ops["square"] and BF16 in ops["integer_pow"]
+
+
+def test_typed_prng_keys_pass_through_16_bit_regions():
+    def f(x, w, key):
+        k = jax.random.split(key)[0]  # slicing a key array is a shape operation on a key dtype
+        return jnp.tanh(x @ w) * jax.random.normal(k, (4, 8))
+
+    x, w, key = jnp.ones((4, 8)), jnp.ones((8, 8)), jax.random.key(0)
+    got = autocast(f, jnp.bfloat16, activations="compute")(x, w, key)
+    np.testing.assert_allclose(got, f(x, w, key), rtol=2e-2, atol=2e-2)
+
+
+def test_init_with_output_creates_the_same_variables_as_init():
+    module, x, _ = MODELS["transformer"]
+    model = wrap(module, "mixed_bfloat16", activations="compute")
+    _, got = model.init_with_output(jax.random.key(0), x)
+    jax.tree.map(np.testing.assert_array_equal, model.init(jax.random.key(0), x), got)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -139,6 +205,11 @@ def test_scan_and_remat_run_with_16_bit_activations():
     module, x = Scanned(), jax.random.normal(jax.random.key(1), (2, 4))
     variables = module.init(jax.random.key(0), x)
     model = wrap(module, "mixed_bfloat16", activations="compute")
+    # Inside the scanned body the layer's variables stay weak: bias add and tanh run in bf16,
+    # while the carry keeps its fp32 type.
+    jaxpr = _forward_jaxpr(model, variables, x, {})
+    ops = _out_dtypes(jaxpr)
+    assert ops["tanh"] == {BF16} and BF16 in ops["add"]
     np.testing.assert_allclose(
         model.apply(variables, x), module.apply(variables, x), rtol=3e-2, atol=3e-2
     )
