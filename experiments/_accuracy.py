@@ -6,6 +6,7 @@ interval changed on the command line, so that each policy gets the same data, st
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -30,6 +31,7 @@ def run(
     config: str | None = None,
     log_every: int = 10,
     overrides: Sequence[str] = (),
+    activations: str = "auto",
 ) -> list[dict]:
     """One training run of `config` (None: the program's default recipe); its metrics.jsonl.
 
@@ -39,7 +41,7 @@ def run(
     cmd += [
         f"--config.policy={policy}", f"--config.seed={seed}",
         f"--config.num_train_steps={steps}", f"--config.log_every_steps={log_every}",
-        f"--workdir={workdir}", *overrides,
+        f"--workdir={workdir}", f"--config.activations={activations}", *overrides,
     ]  # fmt: skip
     if data_dir:
         cmd.append(f"--config.data_dir={data_dir}")
@@ -48,6 +50,12 @@ def run(
     if out.returncode:
         raise SystemExit(f"{policy} seed {seed} failed:\n{out.stderr[-2000:]}")
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every accuracy script passes through to its runs."""
+    parser.add_argument("--data_dir", default="", help="tfds data_dir (default: tfds's)")
+    parser.add_argument("--activations", default="auto", help="--config.activations of every run")
 
 
 def records(run_records: list[dict], kind: str) -> list[dict]:

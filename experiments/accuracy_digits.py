@@ -22,7 +22,7 @@ import pathlib
 import statistics
 import tempfile
 
-from _accuracy import POLICIES, RESULTS, pyplot, run
+from _accuracy import POLICIES, RESULTS, add_run_arguments, pyplot, run
 from _xla import cpu_description
 
 
@@ -54,9 +54,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=1000, help="the default recipe's 1000")
-    parser.add_argument("--data_dir", default="", help="tfds data_dir (default: tfds's)")
     parser.add_argument("--out", default=str(RESULTS / "accuracy_digits_cpu.md"))
-    parser.add_argument("--activations", default="auto", help="--config.activations of every run")
+    add_run_arguments(parser)
     args = parser.parse_args()
 
     accuracy: dict[str, list[float]] = {p: [] for p in POLICIES}
@@ -65,8 +64,7 @@ def main() -> None:
         for seed in range(args.seeds):
             for policy in POLICIES:
                 records = run(policy, seed, args.steps, pathlib.Path(tmp) / f"{policy}-{seed}",
-                              args.data_dir,
-                              overrides=[f"--config.activations={args.activations}"])  # fmt: skip
+                              args.data_dir, activations=args.activations)  # fmt: skip
                 accuracy[policy].append(final_accuracy(records))
                 if seed == 0:
                     curves[policy] = records

@@ -28,7 +28,7 @@ import statistics
 import tempfile
 import time
 
-from _accuracy import POLICIES, RESULTS, pyplot, records, run, versions
+from _accuracy import POLICIES, RESULTS, add_run_arguments, pyplot, records, run, versions
 from _xla import cpu_description
 
 CONFIG = "configs/lm_pydoc.py"
@@ -130,9 +130,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=600, help="the recipe's 600")
-    parser.add_argument("--data_dir", default="", help="tfds data_dir (default: tfds's)")
     parser.add_argument("--out", default=str(RESULTS / "accuracy_lm_cpu.md"))
-    parser.add_argument("--activations", default="auto", help="--config.activations of every run")
+    add_run_arguments(parser)
     args = parser.parse_args()
 
     warmup = max(1, args.steps // 10)  # the recipe's 60 of 600, also for shorter runs
@@ -146,8 +145,8 @@ def main() -> None:
                 workdir = pathlib.Path(tmp) / f"{policy}-{seed}"
                 t0 = time.perf_counter()
                 run_records = run(policy, seed, args.steps, workdir, args.data_dir, CONFIG,
-                                  overrides=[f"--config.warmup_steps={warmup}",
-                                             f"--config.activations={args.activations}"])  # fmt: skip
+                                  overrides=[f"--config.warmup_steps={warmup}"],
+                                  activations=args.activations)  # fmt: skip
                 seconds[policy].append(time.perf_counter() - t0)
                 config = config or json.loads((workdir / "config.json").read_text())
                 finals[policy].append(final_eval(run_records))

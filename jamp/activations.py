@@ -156,7 +156,6 @@ def runs_in_fp32(primitive: str, compute_dtype) -> bool:
 
 
 def run_dtype(
-    primitive: str,
     traced: list[np.dtype],
     current: list[np.dtype],
     weak: list[bool],
@@ -164,12 +163,10 @@ def run_dtype(
     """The dtype a polymorphic operation runs its float32-traced operands in, or None: as traced.
 
     Args:
-      primitive: the operation's name (one of `POLYMORPHIC_PRIMITIVES`).
       traced: each operand's dtype as traced.
       current: each operand's dtype now (a float32-traced value may be carried in 16 bits).
       weak: whether each operand is weak (a literal, constant or variable, or made of those).
     """
-    del primitive
     strong = {c for t, c, w in zip(traced, current, weak) if is_lowerable(t) and not w}
     if not strong or _F32 in strong or len(strong) > 1:
         return None

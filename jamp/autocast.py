@@ -199,7 +199,7 @@ def _saturate(x, dtype):
 def _eval_polymorphic(eqn, invals, weak):
     """A shape or elementwise operation, in the dtype `jamp.activations.run_dtype` picks."""
     traced = [v.aval.dtype for v in eqn.invars]
-    target = act.run_dtype(eqn.primitive.name, traced, [_dtype(x) for x in invals], weak)
+    target = act.run_dtype(traced, [_dtype(x) for x in invals], weak)
     cast = []
     for x, t, w in zip(invals, traced, weak):
         if target is None or not act.is_lowerable(t):
