@@ -3,7 +3,7 @@
 The public API, all documented in the README:
 
 * policies: `get_policy`, `describe_policy`, `PRESETS`;
-* wrapping: `wrap`, `FP32_MODULES`;
+* wrapping: `wrap`, `FP32_MODULES`, `UnsupportedProgramError`;
 * loss scales: `NoOpLossScale`, `StaticLossScale`, `DynamicLossScale`, `loss_scale_for`,
   `all_finite`, `select_tree`;
 * training: `TrainState`, `make_train_step`, `make_eval_step`;
@@ -12,6 +12,7 @@ The public API, all documented in the README:
 """
 
 from jamp import parallel
+from jamp.jax_compat import UnsupportedProgramError
 from jamp.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -35,6 +36,7 @@ __all__ = [
     "NoOpLossScale",
     "StaticLossScale",
     "TrainState",
+    "UnsupportedProgramError",
     "all_finite",
     "describe_policy",
     "get_policy",

@@ -36,7 +36,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from jamp import activations as act
-from jamp import mixed_ops
+from jamp import jax_compat, mixed_ops
 
 ComputeFor = Callable[[jcore.JaxprEqn, Optional[np.dtype]], Optional[np.dtype]]
 
@@ -59,11 +59,51 @@ def _needs_rewrite(invals, compute_dtype) -> bool:
     return compute_dtype.itemsize < 4
 
 
+#: Higher-order primitives whose sub-programs are ordinary programs that the interpreter rewrites
+#: (keeping each sub-program's signature). Kernels (`jax_compat.is_kernel`) run as written; any
+#: other primitive with a matmul to rewrite inside is an `UnsupportedProgramError`.
+REWRITTEN_INSIDE = frozenset(
+    {
+        "jit",
+        "pjit",
+        "closed_call",
+        "core_call",
+        "scan",
+        "while",
+        "cond",
+        "remat2",
+        "checkpoint",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+        "shard_map",
+    }
+)
+
+
+def _sub_jaxprs(eqn):
+    """The sub-programs the interpreter may look into: none of a kernel's."""
+    return [] if jax_compat.is_kernel(eqn) else jcore.jaxprs_in_params(eqn.params)
+
+
 def _has_matmul(jaxpr: jcore.Jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         if eqn.primitive in (_DOT, _CONV):
             return True
-        if any(_has_matmul(sub) for sub in jcore.jaxprs_in_params(eqn.params)):
+        if any(_has_matmul(sub) for sub in _sub_jaxprs(eqn)):
+            return True
+    return False
+
+
+def _changes(jaxpr: jcore.Jaxpr, compute_dtype, ctx: "_Ctx") -> bool:
+    """Whether evaluating `jaxpr` under `compute_dtype` would run anything differently than traced."""
+    for eqn in jaxpr.eqns:
+        dtype = ctx.compute_for(eqn, compute_dtype)
+        if dtype is not None and ctx.lower and dtype.itemsize < 4:
+            return True  # activations may be carried in 16 bits from here on
+        if eqn.primitive in (_DOT, _CONV) and _needs_rewrite([v.aval for v in eqn.invars], dtype):
+            return True
+        if any(_changes(sub, dtype, ctx) for sub in _sub_jaxprs(eqn)):
             return True
     return False
 
@@ -136,24 +176,51 @@ def _rewrite_param(value, compute_dtype, ctx: _Ctx, weak=None):
 def _body_weak(eqn, weak) -> dict:
     """param name -> which inputs of that sub-program are weak: the loop-invariant operands
     (a layer's variables) keep their weakness, the carried state is strong."""
-    p, name = eqn.params, eqn.primitive.name
-    if name == "jit":
+    name = eqn.primitive.name
+    if name in ("jit", "pjit"):
         return {"jaxpr": list(weak)}
     if name == "scan":
-        consts, carry = p["num_consts"], p["num_carry"]
+        consts, carry = jax_compat.scan_split(eqn)
         return {"jaxpr": weak[:consts] + [False] * carry + weak[consts + carry :]}
     if name == "cond":
         return {"branches": weak[1:]}  # after the branch index
     if name == "while":
-        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        nc, nb = jax_compat.while_split(eqn)
         carry = [False] * (len(weak) - nc - nb)
         return {"cond_jaxpr": weak[:nc] + carry, "body_jaxpr": weak[nc : nc + nb] + carry}
     return {}
 
 
+def _eval_shard_map(eqn, invals, compute_dtype, ctx: _Ctx):
+    """A `shard_map` with its body rewritten: the body's collectives need the mapping's axes, so it
+    is mapped again rather than re-traced on its own."""
+    jaxpr = jax_compat.param(eqn, "jaxpr")
+    if not _has_matmul(jaxpr):
+        return _bind(eqn, invals, eqn.params)
+
+    def body(*xs):
+        outs, _ = _eval(jaxpr, (), xs, compute_dtype, ctx, None)
+        return tuple(_cast(o, v.aval.dtype) for o, v in zip(outs, jaxpr.outvars))
+
+    return list(jax_compat.shard_map_like(eqn, body)(*invals))
+
+
+def _check_rewritable(eqn, compute_dtype, ctx: _Ctx) -> None:
+    """An unknown higher-order primitive with matmuls to rewrite inside fails here, at trace time:
+    rewriting its sub-programs without knowing how it uses them could silently mis-lower it."""
+    name = eqn.primitive.name
+    if name in REWRITTEN_INSIDE or jax_compat.is_kernel(eqn):
+        return
+    for sub in jcore.jaxprs_in_params(eqn.params):
+        if _has_matmul(sub) and _changes(sub, compute_dtype, ctx):
+            raise jax_compat.unsupported(
+                name, "it is a higher-order primitive with matmuls inside that jamp does not know"
+            )
+
+
 def _bind(eqn, invals, params):
     # `eqn.ctx` carries per-equation settings recorded at trace time (e.g. compute placement).
-    with eqn.ctx.manager:
+    with jax_compat.bind_context(eqn):
         out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
     return out if eqn.primitive.multiple_results else [out]
 
@@ -172,11 +239,16 @@ def _eval_as_traced(eqn, invals, compute_dtype, ctx: _Ctx, weak=None):
         invals = _as_traced(eqn, invals)
     if eqn.primitive is _DOT and _needs_rewrite(invals, compute_dtype):
         out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)
-        dims = eqn.params["dimension_numbers"]
+        dims = jax_compat.param(eqn, "dimension_numbers")
         return [mixed_ops.mixed_dot_general(*invals, dims, compute_dtype, out_dtype)]
     if eqn.primitive is _CONV and _needs_rewrite(invals, compute_dtype):
         out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)
         return [mixed_ops.mixed_conv(*invals, eqn.params, compute_dtype, out_dtype)]
+    if jax_compat.is_kernel(eqn):  # a kernel runs as written, on its traced operand dtypes
+        return _bind(eqn, invals, eqn.params)
+    if eqn.primitive.name == "shard_map":
+        return _eval_shard_map(eqn, invals, compute_dtype, ctx)
+    _check_rewritable(eqn, compute_dtype, ctx)
     body_weak = _body_weak(eqn, list(weak)) if ctx.lower and weak is not None else {}
     params = {
         k: _rewrite_param(v, compute_dtype, ctx, body_weak.get(k)) for k, v in eqn.params.items()
@@ -216,7 +288,7 @@ def _eval_custom_jvp(eqn, invals, weak, compute_dtype, ctx: _Ctx):
 
     The primal runs in the activation dtypes; the rule, as traced, runs on operands cast back.
     """
-    call = eqn.params["call_jaxpr"]
+    call = jax_compat.param(eqn, "call_jaxpr")
     traced = [v.aval.dtype for v in eqn.invars]
 
     def body(*xs):
@@ -248,25 +320,26 @@ def _eval_lowered(eqn, invals, weak, compute_dtype, ctx: _Ctx):
     squares = name == "mul" and eqn.invars[0] is eqn.invars[1]  # x * x, as in jnp.linalg.norm
     if act.runs_in_fp32("square" if squares else name, compute_dtype):
         return _eval_as_traced(eqn, invals, compute_dtype, ctx), [False] * n_out
-    if lowered and name == "jit":  # inlined, so that its 16-bit results stay 16-bit
-        closed = eqn.params["jaxpr"]
+    if lowered and name in ("jit", "pjit"):  # inlined, so that its 16-bit results stay 16-bit
+        closed = jax_compat.param(eqn, "jaxpr")
         return _eval(closed.jaxpr, closed.consts, invals, compute_dtype, ctx, weak)
     if name in act.POLYMORPHIC_PRIMITIVES:
         return _eval_polymorphic(eqn, invals, weak), [all_weak] * n_out
     if name == "convert_element_type":
         (x,), (v,) = invals, eqn.invars
-        if _dtype(x) != v.aval.dtype and eqn.params["new_dtype"] == v.aval.dtype:
+        if _dtype(x) != v.aval.dtype and jax_compat.param(eqn, "new_dtype") == v.aval.dtype:
             return [x], list(weak)  # a no-op conversion of a lowered value (e.g. weak-type only)
         return _bind(eqn, [x], eqn.params), list(weak)
     if lowered and name == "custom_jvp_call":
         return _eval_custom_jvp(eqn, invals, weak, compute_dtype, ctx), [False] * n_out
     if name == "remat2":  # re-applied, so that its 16-bit results stay 16-bit
+        jaxpr = jax_compat.param(eqn, "jaxpr")
 
         def body(*xs):
-            return _eval(eqn.params["jaxpr"], (), xs, compute_dtype, ctx, weak)[0]
+            return _eval(jaxpr, (), xs, compute_dtype, ctx, weak)[0]
 
-        p = eqn.params
-        outs = jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
+        prevent_cse, policy = (jax_compat.param(eqn, k) for k in ("prevent_cse", "policy"))
+        outs = jax.checkpoint(body, prevent_cse=prevent_cse, policy=policy)(*invals)
         return list(outs), [False] * n_out
     # Anything else (sub-programs, matmuls, unknown operations): as traced.
     return _eval_as_traced(eqn, invals, compute_dtype, ctx, weak), [False] * n_out
@@ -404,6 +477,11 @@ def autocast(
         arrays = [leaf for leaf, t in zip(leaves, traced) if t]
         weak = [w for w, t in zip(weak_leaves, traced) if t]
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
+        ctx = _Ctx(compute_for, act.resolve(activations) == "compute")
+        if not _changes(closed.jaxpr, compute_dtype, ctx):
+            # Nothing to rewrite (e.g. the float32 policy on a float32 model): run it as written,
+            # which is bit-identical also where re-evaluating the program eagerly would not be.
+            return fn(*args, **kwargs)
         outs = eval_jaxpr(
             closed.jaxpr,
             closed.consts,

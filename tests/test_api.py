@@ -17,6 +17,7 @@ PUBLIC = {
     "NoOpLossScale",
     "StaticLossScale",
     "TrainState",
+    "UnsupportedProgramError",
     "all_finite",
     "describe_policy",
     "get_policy",
@@ -30,6 +31,7 @@ PUBLIC = {
 
 # Imports point downward only: a module may import jamp modules of a strictly lower rank.
 RANK = {
+    "jax_compat": 0,
     "precision": 0,
     "mixed_ops": 0,
     "activations": 0,

@@ -1,0 +1,123 @@
+"""What jamp reads of JAX's traced programs, for every supported JAX release, in one place.
+
+`jamp.autocast` re-evaluates jaxprs, so it reads the parameters of JAX's higher-order primitives,
+each equation's trace-time context and the types of abstract values. These are JAX internals that
+move between releases; no other jamp module reads them. Every function here either returns what
+was asked for or raises `UnsupportedProgramError`, one line naming the primitive and the JAX
+version, so that a program jamp cannot read fails at trace time instead of being mis-lowered.
+
+Differences between the supported releases (JAX 0.10 to 0.12), and how each is read:
+
+* `scan` records how many of its operands are loop-invariant constants and how many are the carry
+  as `num_consts` / `num_carry` up to JAX 0.10, and as one flat tree `ft_in` of
+  (consts, carry, xs) from 0.11 on (`scan_split`).
+* `shard_map` is `jax.shard_map` from JAX 0.10 on (`jax.experimental.shard_map` before); its
+  equation records `mesh`, `in_specs`, `out_specs`, `check_vma` and `newly_manual_axes`, from which
+  `shard_map_like` builds the same mapping around a rewritten body.
+* Evaluating a traced program again, equation by equation, outside `jit` is no longer bit-identical
+  to running the Python that traced it from JAX 0.12 on (eager mode runs some library functions as
+  fused computations): `jamp.autocast` therefore runs a function as written when its rewrite would
+  change nothing (the float32 policy on a float32 model).
+
+Stable across the range, read through the public `jax.extend.core`: `Jaxpr`, `ClosedJaxpr`,
+`Literal`, `DropVar`, `jaxprs_in_params`; `while` (`cond_nconsts`, `body_nconsts`), `cond`
+(`branches`), `remat2` (`jaxpr`, `prevent_cse`, `policy`), `custom_jvp_call` (`call_jaxpr`) and
+`jit` (`jaxpr`) params; `eqn.ctx.manager`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+
+JAX_VERSION: str = jax.__version__
+
+
+class UnsupportedProgramError(NotImplementedError):
+    """A traced program that jamp cannot rewrite faithfully (raised at trace time)."""
+
+
+def unsupported(primitive: str, what: str) -> UnsupportedProgramError:
+    """The one-line error for an equation jamp cannot read."""
+    return UnsupportedProgramError(
+        f"jamp cannot rewrite a '{primitive}' equation under JAX {JAX_VERSION}: {what}. "
+        "Supported: JAX 0.10 to 0.12; exclude the module with a float32 override or report it."
+    )
+
+
+def param(eqn: jcore.JaxprEqn, name: str) -> Any:
+    """`eqn.params[name]`, or an `UnsupportedProgramError` naming what is missing."""
+    try:
+        return eqn.params[name]
+    except KeyError:
+        have = ", ".join(sorted(eqn.params)) or "none"
+        raise unsupported(
+            eqn.primitive.name, f"it has no parameter '{name}' (it has: {have})"
+        ) from None
+
+
+def scan_split(eqn: jcore.JaxprEqn) -> tuple[int, int]:
+    """(number of constants, number of carried values) among a scan's operands."""
+    params = eqn.params
+    if "num_consts" in params and "num_carry" in params:  # JAX 0.10
+        return int(params["num_consts"]), int(params["num_carry"])
+    if "ft_in" in params:  # JAX 0.11 and later: a flat tree (consts, carry, xs)
+        try:
+            consts, carry, _ = params["ft_in"].unpack()
+            return len(list(consts.vals)), len(list(carry.vals))
+        except (AttributeError, TypeError, ValueError):
+            pass
+    raise unsupported(
+        "scan", "its parameters give neither num_consts/num_carry nor a (consts, carry, xs) ft_in"
+    )
+
+
+def while_split(eqn: jcore.JaxprEqn) -> tuple[int, int]:
+    """(constants of the condition, constants of the body) among a while loop's operands."""
+    return int(param(eqn, "cond_nconsts")), int(param(eqn, "body_nconsts"))
+
+
+def bind_context(eqn: jcore.JaxprEqn):
+    """The per-equation settings recorded at trace time, to re-enter when binding it again."""
+    ctx = getattr(eqn, "ctx", None)
+    manager = getattr(ctx, "manager", None)
+    return manager if manager is not None else contextlib.nullcontext()
+
+
+# Primitives whose sub-programs are kernels (their bodies read and write buffers, run by a
+# compiler of their own), not ordinary programs: they run as written, never rewritten inside.
+KERNEL_PRIMITIVES = frozenset({"pallas_call"})
+
+
+def _is_ref(aval) -> bool:
+    # Mutable buffers (Pallas refs, `jax.new_ref`, run_state) have an abstract type of their own.
+    return type(aval).__name__ == "AbstractRef"
+
+
+def is_kernel(eqn: jcore.JaxprEqn) -> bool:
+    """Whether `eqn` is a kernel call: a known kernel primitive, or any equation whose
+    sub-programs take or return mutable buffers."""
+    if eqn.primitive.name in KERNEL_PRIMITIVES:
+        return True
+    for sub in jcore.jaxprs_in_params(eqn.params):
+        if any(_is_ref(v.aval) for v in list(sub.invars) + list(sub.constvars)):
+            return True
+    return False
+
+
+def shard_map_like(eqn: jcore.JaxprEqn, body):
+    """`body` (flat operands -> tuple of outputs) under the same `shard_map` as `eqn`."""
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:  # pragma: no cover - JAX before 0.10
+        from jax.experimental.shard_map import shard_map
+    return shard_map(
+        body,
+        mesh=param(eqn, "mesh"),
+        in_specs=tuple(param(eqn, "in_specs")),
+        out_specs=tuple(param(eqn, "out_specs")),
+        check_vma=bool(param(eqn, "check_vma")),
+        axis_names=set(param(eqn, "newly_manual_axes")),
+    )
