@@ -12,8 +12,8 @@ variables, same call arguments) but:
   anyway, while bf16 x bf16 -> fp32 matmuls run at nearly twice the float32 rate) and are
   carried in the compute dtype on GPUs and TPUs, where elementwise work is bandwidth-bound
   (`activations=`, see `jamp.activations`);
-* normalization layers (and anything else named in `overrides`) run under their own policy,
-  float32 by default;
+* normalization layers (Flax's own and any class named like one, and anything else named in
+  `overrides`) run under their own policy, float32 by default;
 * parameters are created in the policy's param dtype and outputs are cast to its output dtype.
 
 Example::
@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import functools
 from typing import Any, Mapping, Optional, Union
 
 import flax.linen as nn
@@ -47,6 +48,17 @@ OverrideKey = Union[type, str]
 #: rescaling are where 16-bit arithmetic loses accuracy first.
 FP32_MODULES: tuple[type, ...] = (nn.BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
+#: Normalization layers of other libraries are their own classes (flaxmodels' BatchNorm, Hugging
+#: Face's FlaxT5LayerNorm and FlaxLlamaRMSNorm, ...): a class whose name, or a base class's, ends
+#: in one of these (any case) runs in float32 too.
+FP32_MODULE_NAME_SUFFIXES: tuple[str, ...] = (
+    "BatchNorm",
+    "LayerNorm",
+    "GroupNorm",
+    "RMSNorm",
+    "InstanceNorm",
+)
+
 _TAG = "jamp_policy_"
 
 
@@ -63,10 +75,61 @@ def _tag_index(name_stack: str) -> Optional[int]:
     return int(digits)
 
 
-def _matches(key: OverrideKey, module: nn.Module) -> bool:
+@dataclasses.dataclass(frozen=True)
+class _NamedLike:
+    """An override key matching module classes by the ending of their (or a base's) name."""
+
+    suffixes: tuple[str, ...]
+
+    def matches(self, module: nn.Module) -> bool:
+        ends = tuple(s.lower() for s in self.suffixes)
+        return any(cls.__name__.lower().endswith(ends) for cls in type(module).__mro__)
+
+
+def _matches(key, module: nn.Module, path: tuple[str, ...]) -> bool:
     if isinstance(key, type):
         return isinstance(module, key)
-    return fnmatch.fnmatchcase("/".join(str(p) for p in module.path), key)
+    if isinstance(key, _NamedLike):
+        return key.matches(module)
+    return fnmatch.fnmatchcase("/".join(path), key)
+
+
+class _Paths:
+    """Submodule paths as a user names them, also for modules run through a nested `apply`.
+
+    Flax gives a module applied from inside another's method (`self.lm_head.apply({"params":
+    ...}, x)`, how Hugging Face's Flax models tie an LM head to the embedding) a scope of its own
+    with an empty path. Its path is the calling module's path plus its name; its submodules' paths
+    are relative to it. Lifted transforms (`nn.scan`, `nn.remat`, ...) also start scopes of their
+    own, but these keep paths relative to the module that holds them.
+    """
+
+    def __init__(self):
+        self._roots: list[tuple[Any, tuple[str, ...]]] = []  # (root scope, path prefix)
+        self._calls: list[tuple[str, ...]] = []  # paths of the module methods running now
+
+    def of(self, module: nn.Module) -> tuple[str, ...]:
+        own = tuple(str(p) for p in module.path)
+        root = module.scope.root
+        prefix = next((pre for r, pre in self._roots if r is root), None)
+        if prefix is None:
+            caller = self._calls[-1] if self._calls else ()
+            if not own:  # a nested apply (or a lifted transform's wrapper): under its caller
+                prefix = caller + ((module.name,) if self._calls and module.name else ())
+            elif caller[len(caller) - len(own) :] == own:  # a lifted scope, under its wrapper
+                prefix = caller[: len(caller) - len(own)]
+            else:
+                prefix = ()
+            self._roots.append((root, prefix))
+        return prefix + own
+
+    @contextlib.contextmanager
+    def calling(self, path: tuple[str, ...]):
+        self._calls.append(path)
+        try:
+            yield
+        finally:
+            self._calls.pop()
 
 
 @contextlib.contextmanager
@@ -100,27 +163,29 @@ class Wrapped(nn.Module):
     # interceptor would intercept itself.
 
     @nn.nowrap
-    def _override_for(self, module: nn.Module) -> Optional[int]:
+    def _override_for(self, module: nn.Module, path: tuple[str, ...]) -> Optional[int]:
         for index, (key, _) in enumerate(self.overrides):
-            if _matches(key, module):
+            if _matches(key, module, path):
                 return index
         return None
 
     @nn.nowrap
-    def _interceptor(self, next_fun, args, kwargs, context):
+    def _interceptor(self, paths: _Paths, next_fun, args, kwargs, context):
         """Mark calls of overridden submodules so that their equations get the override's dtype."""
-        if context.method_name == "setup":
+        if context.method_name == "setup" or context.module.scope is None:
             return next_fun(*args, **kwargs)
-        index = self._override_for(context.module)
-        if index is None:
-            return next_fun(*args, **kwargs)
-        policy = self.overrides[index][1]
-        with (
-            jax.named_scope(_policy_tag(index)),
-            _computing_in(context.module, policy.compute_dtype),
-        ):
-            args, kwargs = policy.cast_to_compute((args, kwargs))
-            return policy.cast_to_output(next_fun(*args, **kwargs))
+        path = paths.of(context.module)
+        index = self._override_for(context.module, path)
+        with paths.calling(path):
+            if index is None:
+                return next_fun(*args, **kwargs)
+            policy = self.overrides[index][1]
+            with (
+                jax.named_scope(_policy_tag(index)),
+                _computing_in(context.module, policy.compute_dtype),
+            ):
+                args, kwargs = policy.cast_to_compute((args, kwargs))
+                return policy.cast_to_output(next_fun(*args, **kwargs))
 
     @nn.nowrap
     def _compute_for(self, eqn, inherited):
@@ -130,7 +195,8 @@ class Wrapped(nn.Module):
     @nn.nowrap
     def _run(self, fn, *args, **kwargs):
         def traced(*a, **kw):
-            with nn.intercept_methods(self._interceptor):
+            interceptor = functools.partial(self._interceptor, _Paths())
+            with nn.intercept_methods(interceptor):
                 return fn(*a, **kw)
 
         # The first argument is `variables` (or init's rngs): weak, so that `x @ w + b` keeps
@@ -239,8 +305,10 @@ def wrap(
       policy: a `jmp.Policy` or any spec `jamp.get_policy` accepts, e.g. "mixed_bfloat16".
       overrides: maps module classes (matched with isinstance) or path patterns (fnmatch against
         the submodule path, e.g. "Decoder_0/head*") to the policy that submodules they match run
-        under. The first match in this mapping wins; the classes in `FP32_MODULES` run in float32
-        unless a key here matches them first.
+        under. The first match in this mapping wins; the classes in `FP32_MODULES`, and classes
+        whose names end in one of `FP32_MODULE_NAME_SUFFIXES` (other libraries' normalization
+        layers), run in float32 unless a key here matches them first. Paths are as the user names
+        them also for a module applied from inside another (`self.lm_head.apply(...)`).
       activations: where the float32 values between matmuls live under a 16-bit compute dtype:
         "float32" (as the model traced them; the fast form on CPUs), "compute" (16-bit wherever
         `jamp.activations` allows: half the memory traffic, the fast form on GPUs and TPUs) or
@@ -263,6 +331,7 @@ def wrap(
     ]
     fp32 = get_policy("float32")
     pairs += [(cls, fp32) for cls in FP32_MODULES]
+    pairs.append((_NamedLike(FP32_MODULE_NAME_SUFFIXES), fp32))
     activations_lib.resolve(activations)  # reject a bad value here, with the accepted ones
     return Wrapped(
         module=module, policy=get_policy(policy), overrides=tuple(pairs), activations=activations

@@ -253,6 +253,115 @@ def test_wrap_overrides_by_class_and_by_path():
     ]
 
 
+class Projection(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(6, name="inner")(x)
+
+
+class TiedLM(nn.Module):
+    """Runs submodules through a nested `apply`, as Hugging Face's Flax models tie their LM head
+    to the embedding: the nested module gets a scope of its own."""
+
+    def setup(self):
+        self.embed = nn.Embed(20, 6)
+        self.body = nn.Dense(6)
+        self.lm_head = nn.Dense(20, use_bias=False)
+        self.side = Projection()
+
+    def __call__(self, tokens):
+        h = jnp.tanh(self.body(self.embed(tokens)))
+        table = self.embed.variables["params"]["embedding"]
+        logits = self.lm_head.apply({"params": {"kernel": table.T}}, h)
+        side = self.side.apply({"params": {"inner": self.body.variables["params"]}}, h)
+        return logits + side.sum()
+
+
+def _matmul_dtypes(model, variables, *args):
+    jaxpr = jax.make_jaxpr(lambda v: model.apply(v, *args))(variables).jaxpr
+    return [d for _, d in _matmul_operand_dtypes(jaxpr)]
+
+
+def test_wrap_path_override_reaches_a_module_applied_from_inside_another():
+    module, tokens = TiedLM(), jnp.arange(8).reshape(2, 4)
+    variables = module.init(jax.random.key(0), tokens)
+    # body, lm_head, side/inner: in the order they run.
+    assert _matmul_dtypes(wrap(module, "mixed_bfloat16"), variables, tokens) == [(BF16, BF16)] * 3
+    head = wrap(module, "mixed_bfloat16", {"lm_head": "float32"})
+    assert _matmul_dtypes(head, variables, tokens) == [(BF16, BF16), (F32, F32), (BF16, BF16)]
+    inner = wrap(module, "mixed_bfloat16", {"side/inner": "float32"})
+    assert _matmul_dtypes(inner, variables, tokens) == [(BF16, BF16), (BF16, BF16), (F32, F32)]
+    assert _matmul_dtypes(
+        wrap(module, "mixed_bfloat16", {"*inner": "float32", "body": "mixed_float16"}),
+        variables,
+        tokens,
+    ) == [(F16, F16), (BF16, BF16), (F32, F32)]
+
+
+def test_wrap_path_overrides_inside_lifted_transforms_keep_their_paths():
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, c, _):
+            return nn.Dense(4, name="mix")(nn.Dense(4, name="proj")(c)), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            scan = nn.scan(
+                nn.remat(Block),
+                variable_broadcast="params",
+                split_rngs={"params": False},
+                length=2,
+            )
+            y, _ = scan(name="blocks")(x, None)
+            return nn.Dense(3, name="head")(y)
+
+    module, x = Stack(), jnp.ones((2, 4))
+    variables = module.init(jax.random.key(0), x)
+    model = wrap(module, "mixed_bfloat16", {"blocks/mix": "float32", "head": "mixed_float16"})
+    assert _matmul_dtypes(model, variables, x) == [(BF16, BF16), (F32, F32), (F16, F16)]
+
+
+class BatchNorm(nn.Module):
+    """Another library's own batch norm (as flaxmodels ships one), not a flax.linen.BatchNorm."""
+
+    dtype: jnp.dtype = jnp.bfloat16
+
+    @nn.compact
+    def __call__(self, x):
+        x = x.astype(self.dtype)
+        mean = x.mean(0)
+        var = ((x - mean) ** 2).mean(0)
+        return (
+            (x - mean)
+            * jax.lax.rsqrt(var + 1e-5)
+            * self.param("scale", nn.initializers.ones, x.shape[-1:])
+        )
+
+
+class FlaxToyRMSNorm(nn.Module):
+    dtype: jnp.dtype = jnp.bfloat16
+
+    @nn.compact
+    def __call__(self, x):
+        x = x.astype(self.dtype)
+        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+
+
+def test_wrap_normalization_classes_of_other_libraries_run_in_fp32():
+    module = nn.Sequential([nn.Dense(8), BatchNorm(), nn.Dense(8), FlaxToyRMSNorm()])
+    x = jax.random.normal(jax.random.key(0), (4, 5))
+    variables = module.init(jax.random.key(1), x)
+    assert _norm_eqn_dtypes(module, variables, x) == {BF16}  # as the model asks
+    for activations in ("float32", "compute"):
+        model = wrap(module, "mixed_bfloat16", activations=activations)
+        assert _norm_eqn_dtypes(model, variables, x) == {F32}
+        assert _matmul_dtypes(model, variables, x) == [(BF16, BF16)] * 2
+    # An override matched first wins over the name rule.
+    model = wrap(module, "mixed_bfloat16", {FlaxToyRMSNorm: "mixed_bfloat16"})
+    assert _norm_eqn_dtypes(model, variables, x) == {F32, BF16}
+
+
 def test_wrap_method_rngs_and_extra_arguments():
     module, x, _ = MODELS["shared"]
     variables = module.init(jax.random.key(0), x)
