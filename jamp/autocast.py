@@ -12,7 +12,11 @@ Working on the traced program rather than on module attributes is what lets a po
 that no `dtype=` argument controls: layers that hard-code `dtype=jnp.float32`, raw `x @ param`
 products, shared submodules, and matmuls inside `jit`, `scan`, `cond`, `while_loop` and `remat`.
 Custom-derivative functions (`jax.custom_jvp` / `custom_vjp`) are the exception: their primal is
-rewritten, but under differentiation their own rules run as written, matmuls included.
+rewritten, but under differentiation their own rules run as written, matmuls included. Kernels
+(`pallas_call`) run as written; `shard_map` bodies are rewritten and mapped again. A higher-order
+primitive not in `REWRITTEN_INSIDE`, with matmuls inside to rewrite, is an
+`UnsupportedProgramError` at trace time; what differs between JAX releases is read through
+`jamp.jax_compat`. When nothing would change (float32 everywhere), `fn` runs as written.
 
 Where an equation runs is decided by `compute_for(eqn, inherited)`, which returns the compute dtype
 for that equation (or None to leave it as traced); `inherited` is the dtype chosen for the enclosing

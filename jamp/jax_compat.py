@@ -12,8 +12,9 @@ Differences between the supported releases (JAX 0.10 to 0.12), and how each is r
   as `num_consts` / `num_carry` up to JAX 0.10, and as one flat tree `ft_in` of
   (consts, carry, xs) from 0.11 on (`scan_split`).
 * `shard_map` is `jax.shard_map` from JAX 0.10 on (`jax.experimental.shard_map` before); its
-  equation records `mesh`, `in_specs`, `out_specs`, `check_vma` and `newly_manual_axes`, from which
-  `shard_map_like` builds the same mapping around a rewritten body.
+  equation records `mesh`, `in_specs`, `out_specs`, `check_vma` and the axes it makes manual
+  (`manual_axes` in JAX 0.10.0, `newly_manual_axes` in 0.10.2 and later), from which `shard_map_like`
+  builds the same mapping around a rewritten body.
 * Evaluating a traced program again, equation by equation, outside `jit` is no longer bit-identical
   to running the Python that traced it from JAX 0.12 on (eager mode runs some library functions as
   fused computations): `jamp.autocast` therefore runs a function as written when its rewrite would
@@ -119,5 +120,10 @@ def shard_map_like(eqn: jcore.JaxprEqn, body):
         in_specs=tuple(param(eqn, "in_specs")),
         out_specs=tuple(param(eqn, "out_specs")),
         check_vma=bool(param(eqn, "check_vma")),
-        axis_names=set(param(eqn, "newly_manual_axes")),
+        axis_names=set(param(eqn, _first_present(eqn, "newly_manual_axes", "manual_axes"))),
     )
+
+
+def _first_present(eqn: jcore.JaxprEqn, *names: str) -> str:
+    # The first of `names` that the equation has (the last one if none, for `param`'s error).
+    return next((n for n in names if n in eqn.params), names[-1])

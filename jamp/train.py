@@ -1,6 +1,8 @@
-"""The training program: ``python -m jamp.train [--config=configs/<recipe>.py[:smoke]] [--workdir=DIR]``.
+"""The training program: ``python -m jamp.train [--config=<recipe>[:smoke]] [--workdir=DIR]``.
 
-Every config field can be overridden on the command line, e.g. ``--config.policy=mixed_bfloat16``
+A recipe is named (``--config=cifar10_resnet``: one of the recipes in the checkout's ``configs/``,
+which an install carries as ``jamp/configs/``) or given as a path to a recipe file
+(``--config=configs/cifar10_resnet.py``, ``--config=my_recipe.py``). Every config field can be overridden on the command line, e.g. ``--config.policy=mixed_bfloat16``
 or ``--config.loss_scale_params.growth_interval=500``. With no flags it runs
 ``configs/default.py`` (the seed CNN on offline digits, fp16 with a dynamic loss scale) in a fresh
 directory under ``./runs/``. Mistakes in the command line or config end the program with one line
@@ -23,8 +25,19 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.py"
+_PACKAGE = pathlib.Path(__file__).resolve().parent
+# An install carries the recipes as jamp/configs/ (pyproject.toml maps the checkout's configs/).
+RECIPES_DIR = next(
+    (
+        d
+        for d in (_PACKAGE / "configs", _PACKAGE.parent / "configs")
+        if (d / "default.py").is_file()
+    ),
+    _PACKAGE / "configs",
+)
+DEFAULT_CONFIG = RECIPES_DIR / "default.py"
 EXIT_USAGE = 2
+_LOG_NOISE = ("OpenCV is not installed", "Grain multiprocess worker profiling requires")
 EXIT_DIVERGED = 3  # training stopped making progress (see configs/default.py)
 
 # A multi-process run: jax.distributed joins the processes, and pmap then spans all their devices.
@@ -44,13 +57,52 @@ _DISTRIBUTED = flags.DEFINE_bool(
 )
 
 
+def recipe_names() -> list[str]:
+    """The recipes that `--config=<name>` can name."""
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.py") if not p.stem.startswith("_"))
+
+
+def _recipe_path(value: str) -> str:
+    """`--config`'s value with a recipe name (or `configs/<name>.py` outside a checkout) replaced
+    by the path of the recipe jamp carries; a path that exists is left as it is."""
+    spec, sep, variant = value.partition(":")
+    path = pathlib.Path(spec)
+    if path.exists():  # a file (or, for ml_collections to refuse, a directory) of the user's
+        return value
+    named = spec if not path.suffix and len(path.parts) == 1 else None
+    if named is None and path.suffix == ".py" and path.parent == pathlib.Path("configs"):
+        named = path.stem  # the README's configs/<name>.py, run outside a checkout
+    if named is None or named not in recipe_names():
+        if named is not None and not path.suffix:
+            _fail(
+                f"unknown recipe {spec!r}; recipes: {', '.join(recipe_names())} "
+                "(or give the path of a recipe file)"
+            )
+        return value
+    return str(RECIPES_DIR / f"{named}.py") + sep + variant
+
+
+def _resolve_recipe_args(argv: list[str]) -> list[str]:
+    """argv with `--config=<name>` / `--config <name>` pointing at the recipe file."""
+    out, it = [], iter(argv)
+    for arg in it:
+        if arg.startswith("--config="):
+            arg = "--config=" + _recipe_path(arg[len("--config=") :])
+        elif arg == "--config":
+            out.append(arg)
+            arg = _recipe_path(next(it, ""))
+        out.append(arg)
+    return out
+
+
 def _define_flags():
     """Defines --config and --workdir. ml_collections loads the recipe and checks the
     --config.<field> overrides in sys.argv right here, so errors can surface at definition time."""
     config = config_flags.DEFINE_config_file(
         "config",
         str(DEFAULT_CONFIG),
-        "Recipe file (configs/<name>.py, ':smoke' for a tiny run).",
+        f"Recipe: a name ({', '.join(recipe_names())}) or a recipe file's path; "
+        "':smoke' picks a tiny run of it.",
         lock_config=True,
     )
     workdir = flags.DEFINE_string(
@@ -119,8 +171,11 @@ def main(argv: list[str], config, workdir) -> None:
         _fail(f"unexpected arguments {argv[1:]}; pass settings as --config.<field>=<value>")
     # Orbax and tfds log every save and read at INFO; the progress bar and metrics say enough.
     logging.set_verbosity(logging.WARNING)
-    # tfds suggests installing OpenCV on every run that decodes images; PIL is fast enough here.
-    logging.get_absl_handler().addFilter(lambda r: "OpenCV is not installed" not in r.getMessage())
+    # Advice that is noise here: tfds suggests installing OpenCV on every run that decodes images
+    # (PIL is fast enough), and grain on jaxlib 0.10 says its worker profiling needs jaxlib 0.11.
+    logging.get_absl_handler().addFilter(
+        lambda r: not any(noise in r.getMessage() for noise in _LOG_NOISE)
+    )
     # TensorFlow is only used to prepare datasets; its C++ start-up banners are noise here.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
@@ -144,6 +199,7 @@ def main(argv: list[str], config, workdir) -> None:
 
 
 def run() -> None:
+    sys.argv = _resolve_recipe_args(sys.argv)  # before ml_collections reads the recipe
     try:
         config, workdir = _define_flags()
     except (KeyError, AttributeError) as e:  # ml_collections' way of saying "no such field"

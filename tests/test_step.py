@@ -103,11 +103,13 @@ def test_train_step_unscales_grads():
         DynamicLossScale(loss_scale=2.0**10, growth_interval=1),
     ):
         got, history = run(MLP(), optax.sgd(0.05), batches, loss_scale=scale)
-        assert_trees_close(got.params, ref.params, rtol=1e-6, atol=0)
+        # A power-of-two scale is exact, but the scaled program may fuse and sum in another order
+        # (seen with JAX 0.12 on one CPU); unscaling by the adjusted scale would be off by 2x.
+        assert_trees_close(got.params, ref.params, rtol=1e-5, atol=1e-8)
         # The reported loss and norm are in true units, not scaled ones.
-        np.testing.assert_allclose(history[-1]["loss"], ref_history[-1]["loss"], rtol=1e-6)
+        np.testing.assert_allclose(history[-1]["loss"], ref_history[-1]["loss"], rtol=1e-5)
         np.testing.assert_allclose(
-            history[-1]["grad_norm"], ref_history[-1]["grad_norm"], rtol=1e-6
+            history[-1]["grad_norm"], ref_history[-1]["grad_norm"], rtol=1e-5
         )
 
 
