@@ -2,8 +2,9 @@
 
 A recipe is named (``--config=cifar10_resnet``: one of the recipes in the checkout's ``configs/``,
 which an install carries as ``jamp/configs/``) or given as a path to a recipe file
-(``--config=configs/cifar10_resnet.py``, ``--config=my_recipe.py``). Every config field can be overridden on the command line, e.g. ``--config.policy=mixed_bfloat16``
-or ``--config.loss_scale_params.growth_interval=500``. With no flags it runs
+(``--config=configs/cifar10_resnet.py``, ``--config=my_recipe.py``). Every config field can be
+overridden on the command line, e.g. ``--config.policy=mixed_bfloat16`` or
+``--config.loss_scale_params.growth_interval=500``. With no flags it runs
 ``configs/default.py`` (the seed CNN on offline digits, fp16 with a dynamic loss scale) in a fresh
 directory under ``./runs/``. Mistakes in the command line or config end the program with one line
 on stderr and exit status 2; nothing in the workdir is changed. A run whose steps keep being
@@ -37,8 +38,8 @@ RECIPES_DIR = next(
 )
 DEFAULT_CONFIG = RECIPES_DIR / "default.py"
 EXIT_USAGE = 2
-_LOG_NOISE = ("OpenCV is not installed", "Grain multiprocess worker profiling requires")
 EXIT_DIVERGED = 3  # training stopped making progress (see configs/default.py)
+_LOG_NOISE = ("OpenCV is not installed", "Grain multiprocess worker profiling requires")
 
 # A multi-process run: jax.distributed joins the processes, and pmap then spans all their devices.
 _COORDINATOR = flags.DEFINE_string(
