@@ -8,10 +8,12 @@ The public API, all documented in the README:
   `all_finite`, `select_tree`;
 * training: `TrainState`, `make_train_step`, `make_eval_step`;
 * data parallelism: the `jamp.parallel` module (`replicate`, `unreplicate`, `shard`,
-  `make_p_train_step`, `make_p_eval_step`).
+  `make_p_train_step`, `make_p_eval_step`);
+* sharded training on a mesh: the `jamp.sharding` module (`make_mesh`, `shard_state`,
+  `state_shardings`, `shard_batch`, `make_sharded_train_step`, `describe`).
 """
 
-from jamp import parallel
+from jamp import parallel, sharding
 from jamp.jax_compat import UnsupportedProgramError
 from jamp.loss_scale import (
     DynamicLossScale,
@@ -45,5 +47,6 @@ __all__ = [
     "make_train_step",
     "parallel",
     "select_tree",
+    "sharding",
     "wrap",
 ]

@@ -26,6 +26,7 @@ PUBLIC = {
     "make_train_step",
     "parallel",
     "select_tree",
+    "sharding",
     "wrap",
 }
 
@@ -41,6 +42,7 @@ RANK = {
     "state": 2,
     "step": 3,
     "parallel": 4,
+    "sharding": 4,
     "models": 4,
     "checkpoint": 4,
     "data": 4,

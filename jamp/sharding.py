@@ -1,0 +1,296 @@
+"""Sharded-`jit` training on a device mesh: data parallelism and FSDP beside `jamp.parallel`'s pmap.
+
+Besides `jamp.parallel`, the only module that places arrays on devices. Under `jamp.parallel`
+every device holds the whole state (fp32 params, both Adam moments: 12+ bytes per parameter);
+here the state is split over the mesh's `fsdp` axis, so each device holds 1/fsdp of it, and the
+very step that `make_train_step` builds runs under `jax.jit` with the batch split over `data` and
+`fsdp` together. Its gradients are global arrays, so the finiteness check, and with it the skip
+decision, is one decision for every device by construction.
+
+Typical use (one process, 8 devices):
+
+    >>> mesh = make_mesh("data=2,fsdp=4")
+    >>> state = shard_state(TrainState.create(params, tx, loss_scale=DynamicLossScale()), mesh)
+    >>> step = make_sharded_train_step(make_train_step(loss_fn, tx), mesh, state_shardings(state))
+    >>> for batch in batches:
+    ...   state, metrics = step(state, shard_batch(batch, mesh), key)
+
+Placement rule: each param, and every optimizer-state leaf with the param's path and shape (Adam's
+moments), is split over `fsdp` along its largest dimension that `fsdp` divides; a leaf with no
+such dimension (a scalar, a bias of odd width) stays replicated, and `describe` says so. Mutable
+model state (batch statistics), the loss scale and the counters are replicated. Axes `data`, `fsdp`
+and `tensor` may appear in a mesh; `tensor` is reserved for tensor-parallel rules and so far holds
+no state (a mesh with it replicates over it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+PyTree = Any
+
+#: The mesh axes jamp knows, in the order a mesh lists them.
+AXES = ("data", "fsdp", "tensor")
+#: The axes a batch is split over (FSDP is data parallel too).
+BATCH_AXES = ("data", "fsdp")
+
+
+def _parse(spec: Union[str, Mapping[str, int]]) -> dict[str, int]:
+    if isinstance(spec, Mapping):
+        items = [(str(k), v) for k, v in spec.items()]
+    else:
+        items = []
+        for part in (p.strip() for p in str(spec).split(",") if p.strip()):
+            name, eq, size = part.partition("=")
+            if not eq:
+                raise ValueError(f"mesh part {part!r} is not axis=size (e.g. 'data=2,fsdp=4')")
+            items.append((name.strip(), size.strip()))
+    sizes: dict[str, int] = {}
+    for name, size in items:
+        if name not in AXES:
+            raise ValueError(f"unknown mesh axis {name!r}; axes: {', '.join(AXES)}")
+        if name in sizes:
+            raise ValueError(f"mesh axis {name!r} given twice")
+        try:
+            value = int(size)
+        except (TypeError, ValueError):
+            value = 0
+        if value != -1 and value < 1:
+            raise ValueError(f"mesh axis {name}={size!r}: sizes are positive integers, or -1")
+        sizes[name] = value
+    if not sizes:
+        raise ValueError("empty mesh; give axis=size pairs, e.g. 'fsdp=8' or 'data=2,fsdp=4'")
+    if list(sizes.values()).count(-1) > 1:
+        raise ValueError("only one mesh axis may be -1 (the devices left over)")
+    return sizes
+
+
+def make_mesh(
+    spec: Union[str, Mapping[str, int]], devices: Optional[Sequence[jax.Device]] = None
+) -> Mesh:
+    """A mesh over all devices of all processes, e.g. `make_mesh("data=2,fsdp=4")`.
+
+    Args:
+      spec: `"axis=size,..."` or a mapping, over axes `data`, `fsdp`, `tensor` (any subset, in any
+        order; the mesh lists them in that order); one size may be -1, the devices left over.
+      devices: the devices to use; `jax.devices()` (every process's) when None.
+
+    Returns:
+      A `jax.sharding.Mesh` whose sizes multiply out to the number of devices.
+
+    Raises:
+      ValueError: one line naming what is wrong and what exists.
+    """
+    sizes = _parse(spec)
+    devices = list(jax.devices() if devices is None else devices)
+    known = math.prod(v for v in sizes.values() if v != -1)
+    for name, value in sizes.items():
+        if value == -1:
+            if len(devices) % known:
+                raise ValueError(
+                    f"mesh {spec!r}: {len(devices)} devices do not divide by {known}"
+                    f" ({_what_exists(devices)})"
+                )
+            sizes[name] = len(devices) // known
+    if math.prod(sizes.values()) != len(devices):
+        raise ValueError(
+            f"mesh {spec!r} needs {math.prod(sizes.values())} devices; there are "
+            f"{len(devices)} ({_what_exists(devices)})"
+        )
+    names = tuple(a for a in AXES if a in sizes)
+    shape = tuple(sizes[a] for a in names)
+    return Mesh(mesh_utils.create_device_mesh(shape, devices), names)
+
+
+def _what_exists(devices) -> str:
+    kinds = sorted({d.platform for d in devices})
+    processes = len({d.process_index for d in devices})
+    return f"{'/'.join(kinds)} x{len(devices)} over {processes} process(es)"
+
+
+def _axis_size(mesh: Mesh, name: str) -> int:
+    return int(mesh.shape[name]) if name in mesh.axis_names else 1
+
+
+def _fsdp_spec(shape: tuple[int, ...], fsdp: int) -> tuple[P, Optional[str]]:
+    """The spec splitting the largest dimension `fsdp` divides, and why not, if none does."""
+    if fsdp == 1:
+        return P(), "no fsdp axis"
+    if not shape:
+        return P(), "a scalar"
+    order = sorted(range(len(shape)), key=lambda d: (-shape[d], d))
+    for d in order:
+        if shape[d] % fsdp == 0:
+            return P(*([None] * d + ["fsdp"])), None
+    return P(), f"no dimension of {shape} divides by fsdp={fsdp}"
+
+
+def _keys(path) -> tuple[str, ...]:
+    out = []
+    for entry in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(entry, attr):
+                out.append(str(getattr(entry, attr)))
+                break
+        else:
+            out.append(str(entry))
+    return tuple(out)
+
+
+def _param_specs(
+    params: PyTree, mesh: Mesh
+) -> dict[tuple[str, ...], tuple[tuple, P, Optional[str]]]:
+    fsdp = _axis_size(mesh, "fsdp")
+    specs = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        shape = tuple(np.shape(leaf))
+        spec, why = _fsdp_spec(shape, fsdp)
+        specs[_keys(path)] = (shape, spec, why)
+    return specs
+
+
+def _like_param(keys, shape, param_specs) -> Optional[tuple[P, Optional[str]]]:
+    """The spec of the param whose path ends `keys` and whose shape is `shape` (Adam's mu, nu)."""
+    for pkeys, (pshape, spec, why) in param_specs.items():
+        if pshape == shape and len(keys) >= len(pkeys) and keys[len(keys) - len(pkeys) :] == pkeys:
+            return spec, why
+    return None
+
+
+def _state_plan(state, mesh: Mesh):
+    """(field, keys, spec, why-replicated) for every leaf of a TrainState."""
+    param_specs = _param_specs(state.params, mesh)
+    plan = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        keys = _keys(path)
+        field, rest = keys[0], keys[1:]
+        shape = tuple(np.shape(leaf))
+        if field == "params":
+            _, spec, why = param_specs[rest]
+        elif field == "opt_state":
+            found = _like_param(rest, shape, param_specs)
+            spec, why = found if found else (P(), "optimizer state not shaped like a param")
+        elif field == "model_state":
+            spec, why = P(), "mutable model state (e.g. batch statistics) is replicated"
+        else:
+            spec, why = P(), "loss scale and counters are replicated"
+        plan.append((field, keys, spec, why))
+    return plan
+
+
+def state_shardings(state, mesh: Optional[Mesh] = None) -> PyTree:
+    """The `NamedSharding` of every leaf of a `TrainState` on `mesh` (see the module docstring).
+
+    With `mesh` None, `state` must already be placed (by `shard_state`): its leaves' shardings.
+    """
+    if mesh is None:
+        return jax.tree.map(lambda x: x.sharding, state)
+    specs = [spec for _, _, spec, _ in _state_plan(state, mesh)]
+    treedef = jax.tree.structure(state)
+    return jax.tree.unflatten(treedef, [NamedSharding(mesh, s) for s in specs])
+
+
+def shard_state(state, mesh: Mesh):
+    """`state` (a `jamp.TrainState` of host or single-device arrays) placed on `mesh`."""
+    # From host copies: the sharded step donates its state, and a device_put that reused a
+    # buffer of `state` (it does, for replicated scalars already on a device) would free it.
+    shardings = state_shardings(state, mesh)
+    return jax.tree.map(lambda x, s: jax.device_put(np.asarray(x), s), state, shardings)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading (batch) axis split over the mesh's `data` and `fsdp` axes, the rest replicated."""
+    axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+    return NamedSharding(mesh, P(axes if axes else None))
+
+
+def shard_batch(batch: PyTree, mesh: Mesh, *, process_local: bool = False) -> PyTree:
+    """A global batch onto `mesh`, its leading axis split over `data` and `fsdp`.
+
+    Args:
+      batch: a pytree of arrays with a leading batch axis: the global batch, or with
+        `process_local=True` this process's slice of it (every process passes its own).
+      mesh: from `make_mesh`.
+
+    Raises:
+      ValueError: the batch does not divide over the devices it is split across.
+    """
+    sharding = batch_sharding(mesh)
+    ways = math.prod(_axis_size(mesh, a) for a in BATCH_AXES)
+
+    def place(x):
+        n = np.shape(x)[0] * (jax.process_count() if process_local else 1)
+        if n % ways:
+            raise ValueError(
+                f"a batch of {n} does not split over {ways} devices (data x fsdp); "
+                f"use a multiple of {ways}"
+            )
+        if process_local:
+            return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+        return jax.device_put(x, sharding)
+
+    return jax.tree.map(place, batch)
+
+
+def make_sharded_train_step(train_step, mesh: Mesh, state_sharding: PyTree):
+    """`train_step` (from `jamp.make_train_step`, without `axis_name`) jitted for `mesh`.
+
+    The state goes in and comes out with `state_sharding` (donated: its buffers are reused), the
+    batch split as `shard_batch` splits it, the key and metrics replicated.
+    """
+    if getattr(train_step, "axis_name", None) is not None:
+        raise ValueError(
+            "make_sharded_train_step takes a step made without axis_name: under jit the "
+            "gradients are global arrays, there is no replica axis to average over"
+        )
+    replicated = NamedSharding(mesh, P())
+    return jax.jit(
+        train_step,
+        in_shardings=(state_sharding, batch_sharding(mesh), replicated),
+        out_shardings=(state_sharding, replicated),
+        donate_argnums=(0,),
+    )
+
+
+def _spec_text(spec: P) -> str:
+    axes = sorted({a for a in spec if a is not None})
+    return f"split over {','.join(axes)}" if axes else "replicated"
+
+
+def describe(state, mesh: Optional[Mesh] = None) -> str:
+    """Per group of leaves (field and placement), the bytes per device; what stayed replicated, why.
+
+    `state` is a placed `TrainState` (from `shard_state`), or any `TrainState` with `mesh` given.
+    """
+    if mesh is None:
+        mesh = next(iter(jax.tree.leaves(state))).sharding.mesh
+    groups: dict[tuple[str, str], dict] = {}
+    total = total_dev = 0
+    for (field, keys, spec, why), leaf in zip(_state_plan(state, mesh), jax.tree.leaves(state)):
+        shape, itemsize = tuple(np.shape(leaf)), np.dtype(leaf.dtype).itemsize
+        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        per_dev = int(np.prod(NamedSharding(mesh, spec).shard_shape(shape), dtype=np.int64))
+        per_dev *= itemsize
+        total, total_dev = total + nbytes, total_dev + per_dev
+        g = groups.setdefault((field, _spec_text(spec)), {"n": 0, "dev": 0, "all": 0, "why": {}})
+        g["n"], g["dev"], g["all"] = g["n"] + 1, g["dev"] + per_dev, g["all"] + nbytes
+        if why and field in ("params", "opt_state"):
+            g["why"].setdefault(why, []).append("/".join(keys[1:]))
+    mesh_text = ", ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
+    lines = [
+        f"mesh {mesh_text}: {total_dev:,} of {total:,} bytes of state per device",
+        f"  {'field':12} {'placement':22} {'leaves':>6} {'bytes/device':>14} {'of total':>14}",
+    ]
+    for (field, placement), g in groups.items():
+        lines.append(f"  {field:12} {placement:22} {g['n']:>6} {g['dev']:>14,} {g['all']:>14,}")
+        for why, names in g["why"].items():
+            shown = ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+            lines.append(f"    replicated, {why}: {shown}")
+    return "\n".join(lines)

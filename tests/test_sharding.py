@@ -1,0 +1,202 @@
+"""jamp.sharding: the sharded-jit step on a mesh of 8 simulated CPU devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from toy import MLP, BNNet, make_batch, make_loss_fn
+
+from jamp import sharding
+from jamp.loss_scale import DynamicLossScale, loss_scale_for
+from jamp.models import TransformerLM
+from jamp.precision import get_policy
+from jamp.state import TrainState
+from jamp.step import make_train_step
+from jamp.wrap import wrap
+
+KEY = jax.random.key(0)
+
+
+def _lm_setup(policy, accumulation_steps=1):
+    module = TransformerLM(
+        vocab_size=64, num_layers=2, d_model=32, num_heads=4, mlp_dim=64, max_len=16
+    )
+    model = wrap(module, policy)
+    tokens = jax.random.randint(jax.random.key(1), (16, 16), 0, 64)
+    params = model.init(jax.random.key(2), tokens[:2])["params"]
+
+    def loss_fn(params, model_state, batch, rng):
+        logits = model.apply({"params": params}, batch["x"])
+        labels = batch["x"][:, 1:]
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], labels).mean()
+        return loss, (model_state, {})
+
+    tx = optax.sgd(0.1, momentum=0.9)
+    state = TrainState.create(params, tx, loss_scale=loss_scale_for(get_policy(policy)))
+    step = make_train_step(loss_fn, tx, accumulation_steps=accumulation_steps)
+    return state, step, {"x": tokens}
+
+
+def _run_sharded(state, step, batch, mesh, steps=3):
+    placed = sharding.shard_state(state, mesh)
+    p_step = sharding.make_sharded_train_step(step, mesh, sharding.state_shardings(placed))
+    for _ in range(steps):
+        placed, metrics = p_step(placed, sharding.shard_batch(batch, mesh), KEY)
+    return placed, metrics, p_step
+
+
+def _run_single(state, step, batch, steps=3):
+    j_step = jax.jit(step)
+    for _ in range(steps):
+        state, metrics = j_step(state, batch, KEY)
+    return state, metrics
+
+
+def _flat(tree):
+    return np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in jax.tree.leaves(tree)])
+
+
+def _assert_close(got, ref, policy, start=None):
+    """float32: the round-off of another summation order. With 16-bit matmul operands such a
+    difference rounds some operands the other way, so the updates (from `start`) are compared
+    by norm: a real fault (a shard's loss, a missing average) moves them by O(1)."""
+    got, ref = _flat(got), _flat(ref)
+    if policy == "float32":
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+        return
+    origin = 0.0 if start is None else _flat(start)
+    update = ref - origin
+    assert np.linalg.norm(got - ref) <= 2e-2 * np.linalg.norm(update)
+
+
+@pytest.mark.parametrize("mesh_spec", ["fsdp=8", "data=2,fsdp=4", "data=2,fsdp=2,tensor=2"])
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
+def test_sharding_steps_match_single_device_steps(mesh_spec, policy):
+    state, step, batch = _lm_setup(policy)
+    placed, metrics, p_step = _run_sharded(state, step, batch, sharding.make_mesh(mesh_spec))
+    ref, ref_metrics = _run_single(state, step, batch)
+    _assert_close(placed.params, ref.params, policy, start=state.params)
+    _assert_close(placed.opt_state, ref.opt_state, policy)
+    assert jax.tree.map(float, placed.loss_scale) == jax.tree.map(float, ref.loss_scale)
+    assert int(placed.step) == 3 and int(placed.skipped_steps) == int(ref.skipped_steps)
+    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-4)
+    assert p_step._cache_size() == 1  # the second and third calls compiled nothing
+
+
+def test_sharding_gradient_accumulation_matches_single_device():
+    state, step, batch = _lm_setup("mixed_bfloat16", accumulation_steps=2)
+    placed, _, _ = _run_sharded(state, step, batch, sharding.make_mesh("data=2,fsdp=4"))
+    ref, _ = _run_single(state, step, batch)
+    _assert_close(placed.params, ref.params, "mixed_bfloat16", start=state.params)
+
+
+def test_sharding_batch_stats_stay_replicated_and_match_single_device():
+    model, batch = BNNet(), make_batch(size=16)
+    variables = model.init(KEY, batch["x"])
+    params = variables.pop("params")
+    # Not Adam: the bias before a BatchNorm has a zero gradient up to round-off, which Adam would
+    # turn into full-size steps of either sign.
+    tx = optax.sgd(0.1, momentum=0.9)
+    state = TrainState.create(params, tx, model_state=variables)
+    step = make_train_step(make_loss_fn(model), tx)
+    placed, _, _ = _run_sharded(state, step, batch, sharding.make_mesh("fsdp=8"))
+    ref, _ = _run_single(state, step, batch)
+    _assert_close(placed.model_state, ref.model_state, "float32")
+    _assert_close(placed.params, ref.params, "float32")
+    for leaf in jax.tree.leaves(placed.model_state):
+        assert leaf.sharding.is_fully_replicated
+
+
+def test_sharding_state_bytes_per_device_are_a_fsdp_share_plus_the_named_leftovers():
+    state, _, _ = _lm_setup("mixed_bfloat16")
+    state = TrainState.create(state.params, optax.adam(1e-3))  # Adam: moments and a count
+    mesh = sharding.make_mesh("data=2,fsdp=4")
+    placed = sharding.shard_state(state, mesh)
+    text = sharding.describe(placed)
+    device = jax.devices()[0]
+    total = per_device = replicated = 0
+    for tree in (placed.params, placed.opt_state):
+        for leaf in jax.tree.leaves(tree):
+            (shard,) = [s for s in leaf.addressable_shards if s.device == device]
+            total += leaf.nbytes
+            per_device += shard.data.nbytes
+            if leaf.sharding.is_fully_replicated:
+                replicated += leaf.nbytes
+    assert per_device == (total - replicated) / 4 + replicated
+    # Every param of this LM divides by 4; the one leftover is Adam's step count, and it is named.
+    assert replicated == 4 and "optimizer state not shaped like a param: 0/count" in text
+    assert f"{sum(x.nbytes for x in jax.tree.leaves(placed)):,}" in text.splitlines()[0]
+
+
+def test_sharding_describe_names_what_stays_replicated_and_why():
+    import flax.linen as nn
+
+    params = nn.Dense(3).init(KEY, jnp.ones((1, 8)))["params"]  # kernel (8, 3), bias (3,)
+    state = TrainState.create(params, optax.adam(1e-3), loss_scale=DynamicLossScale())
+    placed = sharding.shard_state(state, sharding.make_mesh("fsdp=4,data=2"))
+    assert placed.params["kernel"].sharding.spec == jax.sharding.PartitionSpec("fsdp")
+    assert placed.params["bias"].sharding.is_fully_replicated
+    text = sharding.describe(placed)
+    assert "no dimension of (3,) divides by fsdp=4: bias" in text
+    assert "optimizer state not shaped like a param: 0/count" in text
+    assert "mesh data=2, fsdp=4" in text
+
+
+def test_sharding_inf_in_one_devices_shard_skips_the_step_everywhere_bit_identically():
+    model, batch = wrap(MLP(), "mixed_float16"), make_batch(size=16)
+    params = model.init(KEY, batch["x"])["params"]
+    tx = optax.adam(1e-2)
+    state = TrainState.create(params, tx, loss_scale=DynamicLossScale(2.0**10))
+    mesh = sharding.make_mesh("data=2,fsdp=4")
+    placed = sharding.shard_state(state, mesh)
+    p_step = sharding.make_sharded_train_step(
+        make_train_step(make_loss_fn(model), tx), mesh, sharding.state_shardings(placed)
+    )
+    placed, _ = p_step(placed, sharding.shard_batch(batch, mesh), KEY)
+    before = jax.tree.map(np.asarray, placed)
+    poisoned = {**batch, "x": batch["x"].at[0, 0].set(jnp.inf)}  # row 0: device 0's shard only
+    after, metrics = p_step(placed, sharding.shard_batch(poisoned, mesh), KEY)
+    assert not bool(metrics["grads_finite"])
+    for name in ("params", "opt_state", "model_state"):
+        jax.tree.map(np.testing.assert_array_equal, getattr(after, name), getattr(before, name))
+        for leaf in jax.tree.leaves(getattr(after, name)):  # every device's copy alike
+            copies = [np.asarray(s.data) for s in leaf.addressable_shards if s.index == ()]
+            for copy in copies[1:]:
+                np.testing.assert_array_equal(copy, copies[0])
+    assert float(after.loss_scale.loss_scale) == 2.0**9 and int(after.skipped_steps) == 1
+    assert p_step._cache_size() == 1
+
+
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        ("data=3,fsdp=4", "needs 12 devices; there are 8 (cpu x8"),
+        ("data=2,fsdp=8", "needs 16 devices"),
+        ("pipeline=8", "unknown mesh axis 'pipeline'; axes: data, fsdp, tensor"),
+        ("fsdp=-1,data=-1", "only one mesh axis may be -1"),
+        ("fsdp=0", "sizes are positive integers"),
+        ("fsdp", "is not axis=size"),
+        ("data=3,fsdp=-1", "8 devices do not divide by 3"),
+    ],
+)
+def test_sharding_make_mesh_errors_are_one_line(spec, needle):
+    with pytest.raises(ValueError) as info:
+        sharding.make_mesh(spec)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_sharding_make_mesh_orders_axes_and_fills_minus_one():
+    mesh = sharding.make_mesh("fsdp=-1,data=2")
+    assert mesh.axis_names == ("data", "fsdp") and dict(mesh.shape) == {"data": 2, "fsdp": 4}
+    assert sharding.make_mesh({"fsdp": 8}).devices.size == 8
+
+
+def test_sharding_rejects_a_pmap_step_and_a_batch_that_does_not_split():
+    state, _, batch = _lm_setup("float32")
+    mesh = sharding.make_mesh("fsdp=8")
+    pmap_step = make_train_step(lambda *a: (0.0, ({}, {})), optax.sgd(0.1), axis_name="batch")
+    with pytest.raises(ValueError, match="without axis_name"):
+        sharding.make_sharded_train_step(pmap_step, mesh, sharding.state_shardings(state, mesh))
+    with pytest.raises(ValueError, match="a batch of 12 does not split over 8 devices"):
+        sharding.shard_batch({"x": batch["x"][:12]}, mesh)
