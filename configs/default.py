@@ -44,6 +44,12 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     c.on_persistent_overflow = "stop"  # stop (exit status 3) | warn (a line on stderr, go on)
     c.persistent_overflow_steps = 100
 
+    # pmap (jamp.parallel: every device holds the whole state) | sharded (jit on a device mesh,
+    # the state split over its fsdp axis: jamp.sharding); mesh: the sharded run's axis sizes over
+    # data, fsdp, tensor (-1: the devices left over), e.g. "data=2,fsdp=4".
+    c.parallelism = "pmap"
+    c.mesh = "fsdp=-1"
+
     c.batch_size = 64  # global, over all local devices
     c.num_train_steps = 1000
     c.optimizer = "adam"

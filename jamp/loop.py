@@ -12,6 +12,7 @@ import dataclasses
 import signal
 import sys
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jamp import data as data_lib
-from jamp import parallel, tasks
+from jamp import parallel, sharding, tasks
 from jamp.checkpoint import Checkpointer
 from jamp.metrics import MetricWriter, mean_metrics, peak_memory_mib, summary_table
 from jamp.models import get_model
@@ -85,11 +86,51 @@ class _StopFlag:
             signal.signal(sig, handler)
 
 
-def evaluate(p_eval_step, state, dataset, task) -> dict:
+@dataclasses.dataclass
+class _Placement:
+    """How the run puts state and batches on devices: pmap replicas or a sharded mesh."""
+
+    place: Any  # host state -> device state
+    batch: Any  # host batch -> device batch
+    train_step: Any  # (state, batch, rng) -> (state, metrics)
+    eval_step: Any  # (state, batch) -> metric sums
+    fetch: Any  # device metrics -> one copy
+    host: Any  # device state -> what a checkpoint saves and the summary reads
+
+
+def _placement(run, train_step_fn, eval_fn, state) -> _Placement:
+    """`train_step_fn(axis_name)` / `eval_fn(axis_name)` build the steps for either kind."""
+    if run.parallelism == "sharded":
+        mesh = run.mesh
+        shardings = sharding.state_shardings(state, mesh)
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        return _Placement(
+            place=lambda s: sharding.shard_state(s, mesh),
+            batch=lambda b: sharding.shard_batch(b, mesh),
+            train_step=sharding.make_sharded_train_step(train_step_fn(None), mesh, shardings),
+            eval_step=jax.jit(
+                eval_fn(None),
+                in_shardings=(shardings, sharding.batch_sharding(mesh)),
+                out_shardings=replicated,
+            ),
+            fetch=lambda m: m,
+            host=lambda s: s,  # Orbax saves sharded arrays as they are
+        )
+    return _Placement(
+        place=parallel.replicate,
+        batch=parallel.shard,
+        train_step=parallel.make_p_train_step(train_step_fn(parallel.AXIS_NAME)),
+        eval_step=parallel.make_p_eval_step(eval_fn(parallel.AXIS_NAME)),
+        fetch=parallel.unreplicate,
+        host=parallel.unreplicate,
+    )
+
+
+def evaluate(placement: _Placement, state, dataset, task) -> dict:
     """One pass over the eval split; returns accuracy (and loss / perplexity for lm)."""
     totals = None
     for batch in dataset.eval_batches():
-        sums = parallel.unreplicate(p_eval_step(state, parallel.shard(batch)))
+        sums = placement.fetch(placement.eval_step(state, placement.batch(batch)))
         sums = jax.device_get(sums)
         totals = sums if totals is None else jax.tree.map(np.add, totals, sums)
     return tasks.summarize_eval(task, totals)
@@ -158,19 +199,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
 def _train(
     run, task, model, tx, schedule, state, start, dataset, checkpointer, writer, stop, t_begin
 ):
-    train_step = make_train_step(
-        tasks.make_loss_fn(model, task),
-        tx,
-        axis_name=parallel.AXIS_NAME,
-        accumulation_steps=run.accumulation_steps,
-        max_grad_norm=run.max_grad_norm,
-    )
-    p_train_step = parallel.make_p_train_step(train_step)
-    p_eval_step = parallel.make_p_eval_step(
-        make_eval_step(tasks.make_eval_fn(model, task), axis_name=parallel.AXIS_NAME)
-    )
+    def train_step_fn(axis_name):
+        return make_train_step(
+            tasks.make_loss_fn(model, task),
+            tx,
+            axis_name=axis_name,
+            accumulation_steps=run.accumulation_steps,
+            max_grad_norm=run.max_grad_norm,
+        )
+
+    def eval_fn(axis_name):
+        return make_eval_step(tasks.make_eval_fn(model, task), axis_name=axis_name)
+
+    placement = _placement(run, train_step_fn, eval_fn, state)
+    p_train_step = placement.train_step
     rng = jax.random.key(run.seed)
-    state = parallel.replicate(state)
+    state = placement.place(state)
     batches = dataset.train_batches(start_step=start)
     bar = _progress(run.num_train_steps, start)
     pending, window_start, wait, eval_metrics = [], None, 0.0, {}
@@ -181,18 +225,18 @@ def _train(
         t0 = time.perf_counter()
         batch = next(batches)
         wait += time.perf_counter() - t0
-        state, metrics = p_train_step(state, parallel.shard(batch), rng)
+        state, metrics = p_train_step(state, placement.batch(batch), rng)
         pending.append(metrics)
         step += 1
         if bar is not None:
             bar.update(1)
         if step == start + 1:  # the first step compiles: keep it out of the throughput
             jax.block_until_ready(metrics)
-            _watch_overflow(overflow, [parallel.unreplicate(metrics)], step, run, bar)
+            _watch_overflow(overflow, [placement.fetch(metrics)], step, run, bar)
             window_start, wait, pending = time.perf_counter(), 0.0, []
             continue
         if step % run.log_every_steps == 0 or step == run.num_train_steps:
-            window = [parallel.unreplicate(m) for m in jax.device_get(pending)]
+            window = [placement.fetch(m) for m in jax.device_get(pending)]
             record = mean_metrics(window)
             elapsed = time.perf_counter() - window_start
             record["examples_per_sec"] = len(pending) * run.batch_size / elapsed
@@ -205,18 +249,18 @@ def _train(
             pending, window_start, wait = [], time.perf_counter(), 0.0
         hook_start = time.perf_counter()
         if step % run.eval_every_steps == 0 and step < run.num_train_steps:
-            eval_metrics = evaluate(p_eval_step, state, dataset, task)
+            eval_metrics = evaluate(placement, state, dataset, task)
             writer.write(step, eval_metrics, kind="eval")
         if step % run.checkpoint_every_steps == 0:
-            checkpointer.save(step, parallel.unreplicate(state))
+            checkpointer.save(step, placement.host(state))
         window_start += time.perf_counter() - hook_start  # hooks are not training throughput
     if bar is not None:
         bar.close()
-    final = parallel.unreplicate(state)
+    final = placement.host(state)
     if checkpointer.latest_step() != step:
         checkpointer.save(step, final)
     if not stop.should_stop(step):
-        eval_metrics = evaluate(p_eval_step, state, dataset, task)
+        eval_metrics = evaluate(placement, state, dataset, task)
         writer.write(step, eval_metrics, kind="eval")
     else:
         print(
@@ -258,8 +302,14 @@ def _watch_overflow(watch, window, step, run, bar):
 def _summary(run, task, state, step, eval_metrics, steps_timed, time_timed, dataset, t_begin):
     metric = "perplexity" if task == "lm" else "accuracy"
     memory = peak_memory_mib()
+    if run.parallelism == "sharded":
+        axes = ", ".join(f"{a}={n}" for a, n in run.mesh.shape.items())
+        parallelism = f"sharded jit, mesh {axes}"
+    else:
+        parallelism = f"pmap over {jax.device_count()} devices"
     return {
         "policy": describe(run.policy),
+        "parallelism": parallelism,
         "loss scale": type(run.loss_scale).__name__,
         "steps": step,
         "skipped steps": int(state.skipped_steps),

@@ -22,6 +22,7 @@ import numpy as np
 
 from jamp import activations as activations_lib
 from jamp import data as data_lib
+from jamp import sharding
 from jamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jamp.models import model_task
 from jamp.optim import OptimConfig
@@ -29,6 +30,7 @@ from jamp.overflow_watch import ON_PERSISTENT_OVERFLOW
 from jamp.precision import get_policy
 
 LOSS_SCALES = ("auto", "dynamic", "static", "none")
+PARALLELISM = ("pmap", "sharded")
 
 
 class ConfigError(ValueError):
@@ -55,6 +57,8 @@ class RunConfig:
     seed: int
     on_persistent_overflow: str
     persistent_overflow_steps: int
+    parallelism: str = "pmap"
+    mesh: Any = None  # a jax.sharding.Mesh when parallelism == "sharded"
 
 
 def _make_loss_scale(kind: str, p: ml_collections.ConfigDict, policy: jmp.Policy):
@@ -156,6 +160,7 @@ def parse_config(config: ml_collections.ConfigDict):
             f"of {per_device} (batch_size {config.batch_size} over {devices} devices): use a "
             f"batch_size that is a multiple of {devices * config.accumulation_steps}"
         )
+    mesh = _mesh(config)
     run = RunConfig(
         model=config.model,
         model_config=config.model_config.to_dict(),
@@ -173,8 +178,30 @@ def parse_config(config: ml_collections.ConfigDict):
         seed=int(config.seed),
         on_persistent_overflow=config.on_persistent_overflow,
         persistent_overflow_steps=config.persistent_overflow_steps,
+        parallelism=config.parallelism,
+        mesh=mesh,
     )
     return run, data, optim, task
+
+
+def _mesh(config):
+    """The device mesh of a sharded run (None under pmap), or a one-line ConfigError."""
+    if config.parallelism not in PARALLELISM:
+        raise ConfigError(
+            f"unknown parallelism {config.parallelism!r}; accepted: {', '.join(PARALLELISM)}"
+        )
+    if config.parallelism == "pmap":
+        return None
+    if jax.process_count() > 1:
+        raise ConfigError(
+            "parallelism=sharded runs in one process so far; use parallelism=pmap for a "
+            "multi-process run"
+        )
+    try:
+        mesh = sharding.make_mesh(config.mesh)
+    except ValueError as e:
+        raise ConfigError(f"mesh: {e}") from None
+    return mesh
 
 
 def _synthetic_fields(config) -> dict:

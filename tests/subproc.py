@@ -1,12 +1,55 @@
-"""What the tests that run `python -m jamp.train` in a subprocess share."""
+"""What the tests that run `python -m jamp.train` (or any JAX program) in a subprocess share."""
 
 import os
+
+# CI runs the suite twice side by side on 2 cores, each test simulating up to 8 devices: XLA's
+# CPU collectives then wait far longer for their threads than on an idle machine, and by default
+# abort the process when one is late (a rendezvous termination timeout; seen once in CI).
+_PATIENT_COLLECTIVES = (
+    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=300 "
+    "--xla_cpu_collective_call_terminate_timeout_seconds=1200"
+)
+
+
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for `devices` simulated CPU devices whose collectives wait patiently."""
+    return f"--xla_force_host_platform_device_count={devices} {_PATIENT_COLLECTIVES}"
 
 
 def cli_env(devices: int = 2) -> dict:
     """The environment for a CLI subprocess: CPU only, `devices` simulated devices, quiet TF."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices)
     env["JAX_PLATFORMS"] = "cpu"
     env["TF_CPP_MIN_LOG_LEVEL"] = "3"
     return env
+
+
+def recipe_state(data_dir, overrides=None, recipe: str = "default"):
+    """A fresh host TrainState of a recipe, built the way jamp.loop builds it (a restore target).
+
+    `overrides` maps dotted config fields to values, as `--config.<field>=<value>` would.
+    """
+    import pathlib
+    import runpy
+
+    from jamp import data as data_lib
+    from jamp import loop
+    from jamp.models import get_model
+    from jamp.optim import make_optimizer
+    from jamp.wrap import wrap
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "configs" / f"{recipe}.py"
+    config = runpy.run_path(str(path))["get_config"]()
+    config.data_dir = str(data_dir)
+    for name, value in (overrides or {}).items():
+        *parents, leaf = name.split(".")
+        node = config
+        for parent in parents:
+            node = node[parent]
+        node[leaf] = value
+    run, data_cfg, optim_cfg, _ = loop.parse_config(config)
+    dataset = data_lib.get_dataset(data_cfg, 1)
+    model = wrap(get_model(run.model, dataset.info.num_classes, **run.model_config), run.policy)
+    tx, _ = make_optimizer(optim_cfg)
+    return loop._init_state(model, tx, run.loss_scale, dataset.info, run.seed)

@@ -67,6 +67,9 @@ seed_type       | seed=1.5                                | --config.seed=1.5: i
 # batch sizes over the 8 devices every case runs with
 accumulation    | accumulation_steps=3                    | accumulation_steps 3 does not divide
 batch_devices   | batch_size=12                           | batch_size 12 does not divide evenly
+parallelism     | parallelism=pjit                        | unknown parallelism 'pjit'; accepted:
+mesh_too_big    | parallelism=sharded mesh=data=3,fsdp=4  | mesh: mesh 'data=3,fsdp=4' needs 12
+mesh_axis       | parallelism=sharded mesh=pipe=8         | mesh: unknown mesh axis 'pipe'; axes
 # paths
 recipe_missing  | --config=configs/nope.py                | No such file or directory: 'configs/nope
 recipe_dir      | --config=configs                        | Is a directory: 'configs'

@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+from subproc import xla_flags
+
 README = pathlib.Path(__file__).parents[1] / "README.md"
 
 
@@ -17,7 +19,7 @@ def test_readme_library_example_trains_in_fp16_on_several_devices(tmp_path):
     example = next(block for block in _python_blocks() if "p_train_step" in block)
     script = tmp_path / "example.py"
     script.write_text(example)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4))
     out = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600
     )

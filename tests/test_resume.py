@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import runpy
 import shutil
 import signal
 import subprocess
@@ -21,7 +20,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from subproc import cli_env
+from subproc import cli_env, recipe_state
 
 from jamp.checkpoint import Checkpointer
 
@@ -118,25 +117,7 @@ def data_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def target(data_dir):
     """A fresh TrainState of the recipe, built the way jamp.loop builds it: the restore target."""
-    from jamp import data as data_lib
-    from jamp import loop
-    from jamp.models import get_model
-    from jamp.optim import make_optimizer
-    from jamp.wrap import wrap
-
-    config = runpy.run_path(str(ROOT / "configs" / "default.py"))["get_config"]()
-    config.data_dir = str(data_dir)
-    for name, value in OVERRIDES.items():
-        *parents, leaf = name.split(".")
-        node = config
-        for parent in parents:
-            node = node[parent]
-        node[leaf] = value
-    run, data_cfg, optim_cfg, _ = loop.parse_config(config)
-    dataset = data_lib.get_dataset(data_cfg, 1)
-    model = wrap(get_model(run.model, dataset.info.num_classes, **run.model_config), run.policy)
-    tx, _ = make_optimizer(optim_cfg)
-    return loop._init_state(model, tx, run.loss_scale, dataset.info, run.seed)
+    return recipe_state(data_dir, OVERRIDES)
 
 
 def _restore(workdir, target, step=NUM_STEPS):
