@@ -10,7 +10,8 @@ The public API, all documented in the README:
 * data parallelism: the `jamp.parallel` module (`replicate`, `unreplicate`, `shard`,
   `make_p_train_step`, `make_p_eval_step`);
 * sharded training on a mesh: the `jamp.sharding` module (`make_mesh`, `shard_state`,
-  `state_shardings`, `shard_batch`, `make_sharded_train_step`, `describe`).
+  `state_shardings`, `shard_batch`, `make_sharded_train_step`, `make_sharded_eval_step`,
+  `describe`).
 """
 
 from jamp import parallel, sharding

@@ -11,10 +11,9 @@ Differences between the supported releases (JAX 0.10 to 0.12), and how each is r
 * `scan` records how many of its operands are loop-invariant constants and how many are the carry
   as `num_consts` / `num_carry` up to JAX 0.10, and as one flat tree `ft_in` of
   (consts, carry, xs) from 0.11 on (`scan_split`).
-* `shard_map` is `jax.shard_map` from JAX 0.10 on (`jax.experimental.shard_map` before); its
-  equation records `mesh`, `in_specs`, `out_specs`, `check_vma` and the axes it makes manual
-  (`manual_axes` in JAX 0.10.0, `newly_manual_axes` in 0.10.2 and later), from which `shard_map_like`
-  builds the same mapping around a rewritten body.
+* `shard_map`'s equation records `mesh`, `in_specs`, `out_specs`, `check_vma` and the axes it
+  makes manual (`manual_axes` in JAX 0.10.0, `newly_manual_axes` in 0.10.2 and later), from which
+  `shard_map_like` builds the same mapping around a rewritten body.
 * Evaluating a traced program again, equation by equation, outside `jit` is no longer bit-identical
   to running the Python that traced it from JAX 0.12 on (eager mode runs some library functions as
   fused computations): `jamp.autocast` therefore runs a function as written when its rewrite would
@@ -111,10 +110,7 @@ def is_kernel(eqn: jcore.JaxprEqn) -> bool:
 
 def shard_map_like(eqn: jcore.JaxprEqn, body):
     """`body` (flat operands -> tuple of outputs) under the same `shard_map` as `eqn`."""
-    shard_map = getattr(jax, "shard_map", None)
-    if shard_map is None:  # pragma: no cover - JAX before 0.10
-        from jax.experimental.shard_map import shard_map
-    return shard_map(
+    return jax.shard_map(
         body,
         mesh=param(eqn, "mesh"),
         in_specs=tuple(param(eqn, "in_specs")),

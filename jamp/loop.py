@@ -12,7 +12,7 @@ import dataclasses
 import signal
 import sys
 import time
-from typing import Any
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -90,12 +90,12 @@ class _StopFlag:
 class _Placement:
     """How the run puts state and batches on devices: pmap replicas or a sharded mesh."""
 
-    place: Any  # host state -> device state
-    batch: Any  # host batch -> device batch
-    train_step: Any  # (state, batch, rng) -> (state, metrics)
-    eval_step: Any  # (state, batch) -> metric sums
-    fetch: Any  # device metrics -> one copy
-    host: Any  # device state -> what a checkpoint saves and the summary reads
+    place: Callable  # host state -> device state
+    batch: Callable  # host batch -> device batch
+    train_step: Callable  # (state, batch, rng) -> (state, metrics)
+    eval_step: Callable  # (state, batch) -> metric sums
+    fetch: Callable  # device metrics -> one copy
+    host: Callable  # device state -> what a checkpoint saves and the summary reads
 
 
 def _placement(run, train_step_fn, eval_fn, state) -> _Placement:
@@ -103,16 +103,11 @@ def _placement(run, train_step_fn, eval_fn, state) -> _Placement:
     if run.parallelism == "sharded":
         mesh = run.mesh
         shardings = sharding.state_shardings(state, mesh)
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         return _Placement(
             place=lambda s: sharding.shard_state(s, mesh),
             batch=lambda b: sharding.shard_batch(b, mesh),
             train_step=sharding.make_sharded_train_step(train_step_fn(None), mesh, shardings),
-            eval_step=jax.jit(
-                eval_fn(None),
-                in_shardings=(shardings, sharding.batch_sharding(mesh)),
-                out_shardings=replicated,
-            ),
+            eval_step=sharding.make_sharded_eval_step(eval_fn(None), mesh, shardings),
             fetch=lambda m: m,
             host=lambda s: s,  # Orbax saves sharded arrays as they are
         )

@@ -259,6 +259,16 @@ def make_sharded_train_step(train_step, mesh: Mesh, state_sharding: PyTree):
     )
 
 
+def make_sharded_eval_step(eval_step, mesh: Mesh, state_sharding: PyTree):
+    """`eval_step` (from `jamp.make_eval_step`, without `axis_name`) jitted for `mesh`: the state
+    as placed, the batch split as `shard_batch` splits it, the metrics replicated."""
+    return jax.jit(
+        eval_step,
+        in_shardings=(state_sharding, batch_sharding(mesh)),
+        out_shardings=NamedSharding(mesh, P()),
+    )
+
+
 def _spec_text(spec: P) -> str:
     axes = sorted({a for a in spec if a is not None})
     return f"split over {','.join(axes)}" if axes else "replicated"

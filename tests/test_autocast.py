@@ -37,14 +37,14 @@ class KernelModel(nn.Module):
         return nn.Dense(3)(pallas_matmul(h, w))
 
 
-def _eqns(jaxpr, inside_kernels=False):
-    """Every equation, in sub-programs too (kernel bodies only if asked)."""
+def _eqns(jaxpr):
+    """Every equation, in sub-programs too, but not inside kernels."""
     for eqn in jaxpr.eqns:
         yield eqn
-        if eqn.primitive.name == "pallas_call" and not inside_kernels:
+        if eqn.primitive.name == "pallas_call":
             continue
         for sub in jcore.jaxprs_in_params(eqn.params):
-            yield from _eqns(sub, inside_kernels)
+            yield from _eqns(sub)
 
 
 @pytest.mark.parametrize("activations", ["float32", "compute"])
