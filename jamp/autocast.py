@@ -30,6 +30,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
@@ -43,6 +45,28 @@ from jamp import activations as act
 from jamp import jax_compat, mixed_ops
 
 ComputeFor = Callable[[jcore.JaxprEqn, Optional[np.dtype]], Optional[np.dtype]]
+#: `(key_path, shape) -> sharding or None`: where a leaf of a weak argument (a model's variables)
+#: lives on a mesh; `key_path` is the leaf's `jax.tree_util` key path within its argument.
+PlacementFor = Callable[[tuple, tuple], Optional[jax.sharding.Sharding]]
+
+_PLACEMENT: contextvars.ContextVar[Optional[PlacementFor]] = contextvars.ContextVar(
+    "jamp_autocast_placement", default=None
+)
+
+
+@contextlib.contextmanager
+def placing(placement_for: PlacementFor):
+    """While a function is traced in this context, `autocast` treats the weak-argument leaves that
+    `placement_for` places as sharded parameters: each matmul casts them to the compute dtype on
+    their own shard, so that the gather XLA inserts moves 16-bit values, and hands their gradients
+    back in the reduce dtype, constrained to the same sharding (see `jamp.mixed_ops.Placed`).
+    Values are unchanged: shardings only say where they live. `jamp.sharding`'s steps set it."""
+    token = _PLACEMENT.set(placement_for)
+    try:
+        yield
+    finally:
+        _PLACEMENT.reset(token)
+
 
 _DOT = lax.dot_general_p
 _CONV = lax.conv_general_dilated_p
@@ -120,6 +144,37 @@ def _spec(aval):
 class _Ctx:
     compute_for: ComputeFor
     lower: bool  # carry float32 activations in the 16-bit compute dtype (`jamp.activations`)
+
+
+def _placed_for(placed, compute_dtype):
+    """The operands' placements for one matmul: a float32 matmul (a module kept in float32)
+    keeps its gradients float32 across the wire too."""
+    if placed is None:
+        return mixed_ops._UNPLACED
+    if compute_dtype.itemsize >= 4:
+        return tuple(
+            None if p is None else dataclasses.replace(p, reduce_dtype=np.dtype(np.float32))
+            for p in placed
+        )
+    return tuple(placed)
+
+
+def _follow_placement(eqn, placed):
+    """The placement of a transpose's or a float cast's result, from its operand's."""
+    (p,) = placed if len(placed) == 1 else (None,)
+    if p is None or not isinstance(p.sharding, jax.sharding.NamedSharding):
+        return None
+    name = eqn.primitive.name
+    if name == "convert_element_type" and _is_float_dtype(eqn.outvars[0].aval.dtype):
+        return p
+    if name == "transpose":
+        spec = tuple(p.sharding.spec) + (None,) * (eqn.invars[0].aval.ndim - len(p.sharding.spec))
+        perm = jax_compat.param(eqn, "permutation")
+        sharding = jax.sharding.NamedSharding(
+            p.sharding.mesh, jax.sharding.PartitionSpec(*(spec[d] for d in perm))
+        )
+        return dataclasses.replace(p, sharding=sharding)
+    return None
 
 
 def _cast(x, dtype):
@@ -235,7 +290,7 @@ def _matmul_out_dtype(eqn, compute_dtype, ctx: _Ctx):
     return compute_dtype if lowered else traced
 
 
-def _eval_as_traced(eqn, invals, compute_dtype, ctx: _Ctx, weak=None):
+def _eval_as_traced(eqn, invals, compute_dtype, ctx: _Ctx, weak=None, placed=None):
     """The equation with its matmuls rewritten and everything else as traced."""
     # The mixed matmuls cast their operands themselves: a 16-bit activation goes in as it is, and
     # its gradient comes back 16-bit.
@@ -244,10 +299,12 @@ def _eval_as_traced(eqn, invals, compute_dtype, ctx: _Ctx, weak=None):
     if eqn.primitive is _DOT and _needs_rewrite(invals, compute_dtype):
         out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)
         dims = jax_compat.param(eqn, "dimension_numbers")
-        return [mixed_ops.mixed_dot_general(*invals, dims, compute_dtype, out_dtype)]
+        where = _placed_for(placed, compute_dtype)
+        return [mixed_ops.mixed_dot_general(*invals, dims, compute_dtype, out_dtype, where)]
     if eqn.primitive is _CONV and _needs_rewrite(invals, compute_dtype):
         out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)
-        return [mixed_ops.mixed_conv(*invals, eqn.params, compute_dtype, out_dtype)]
+        where = _placed_for(placed, compute_dtype)
+        return [mixed_ops.mixed_conv(*invals, eqn.params, compute_dtype, out_dtype, where)]
     if jax_compat.is_kernel(eqn):  # a kernel runs as written, on its traced operand dtypes
         return _bind(eqn, invals, eqn.params)
     if eqn.primitive.name == "shard_map":
@@ -315,7 +372,7 @@ def _eval_custom_jvp(eqn, invals, weak, compute_dtype, ctx: _Ctx):
     return fn(*invals)
 
 
-def _eval_lowered(eqn, invals, weak, compute_dtype, ctx: _Ctx):
+def _eval_lowered(eqn, invals, weak, compute_dtype, ctx: _Ctx, placed=None):
     """One equation where activations may be 16-bit; returns (outputs, whether each is weak)."""
     name = eqn.primitive.name
     n_out = len(eqn.outvars)
@@ -346,21 +403,34 @@ def _eval_lowered(eqn, invals, weak, compute_dtype, ctx: _Ctx):
         outs = jax.checkpoint(body, prevent_cse=prevent_cse, policy=policy)(*invals)
         return list(outs), [False] * n_out
     # Anything else (sub-programs, matmuls, unknown operations): as traced.
-    return _eval_as_traced(eqn, invals, compute_dtype, ctx, weak), [False] * n_out
+    return _eval_as_traced(eqn, invals, compute_dtype, ctx, weak, placed), [False] * n_out
 
 
-def _eval_eqn(eqn, invals, weak, compute_dtype, ctx: _Ctx):
+def _eval_eqn(eqn, invals, weak, compute_dtype, ctx: _Ctx, placed=None):
     if ctx.lower and compute_dtype is not None and compute_dtype.itemsize < 4:
-        return _eval_lowered(eqn, invals, weak, compute_dtype, ctx)
-    outs = _eval_as_traced(eqn, invals, compute_dtype, ctx)
+        return _eval_lowered(eqn, invals, weak, compute_dtype, ctx, placed)
+    outs = _eval_as_traced(eqn, invals, compute_dtype, ctx, placed=placed)
     poly = eqn.primitive.name in act.POLYMORPHIC_PRIMITIVES
     return outs, [poly and all(weak)] * len(outs)
 
 
-def _eval(jaxpr, consts, args, compute_dtype, ctx: _Ctx, weak: Optional[Sequence[bool]]):
-    """Evaluates `jaxpr`; returns its outputs (possibly lowered) and whether each is weak."""
+def _eval(
+    jaxpr,
+    consts,
+    args,
+    compute_dtype,
+    ctx: _Ctx,
+    weak: Optional[Sequence[bool]],
+    placed: Optional[Sequence[Optional[mixed_ops.Placed]]] = None,
+):
+    """Evaluates `jaxpr`; returns its outputs (possibly lowered) and whether each is weak.
+
+    `placed` gives, per argument, its placement on a mesh (a sharded parameter) or None."""
     env: dict[Any, Any] = {}
     weak_env: dict[Any, bool] = {}
+    place_env: dict[Any, mixed_ops.Placed] = {
+        v: p for v, p in zip(jaxpr.invars, placed or ()) if p is not None
+    }
 
     def read(v):
         return v.val if isinstance(v, jcore.Literal) else env[v]
@@ -375,9 +445,20 @@ def _eval(jaxpr, consts, args, compute_dtype, ctx: _Ctx, weak: Optional[Sequence
     for eqn in jaxpr.eqns:
         eqn_dtype = ctx.compute_for(eqn, compute_dtype)
         # Keep the module path of each operation, for profiles and for anyone reading the program.
+        where = None
+        if place_env:
+            where = [place_env.get(v) if isinstance(v, jcore.Var) else None for v in eqn.invars]
+            followed = _follow_placement(eqn, where)
+            if followed is not None:
+                place_env[eqn.outvars[0]] = followed
         with jax.named_scope(str(eqn.source_info.name_stack) or "_"):
             outs, outs_weak = _eval_eqn(
-                eqn, [read(v) for v in eqn.invars], [is_weak(v) for v in eqn.invars], eqn_dtype, ctx
+                eqn,
+                [read(v) for v in eqn.invars],
+                [is_weak(v) for v in eqn.invars],
+                eqn_dtype,
+                ctx,
+                where,
             )
         for var, val, w in zip(eqn.outvars, outs, outs_weak):
             if not isinstance(var, jcore.DropVar):
@@ -395,6 +476,7 @@ def eval_jaxpr(
     *,
     activations: str = "float32",
     weak: Optional[Sequence[bool]] = None,
+    placed: Optional[Sequence[Optional[mixed_ops.Placed]]] = None,
 ):
     """Evaluate `jaxpr` on `args`, with matmuls in the dtype that `compute_for` picks per equation.
 
@@ -409,12 +491,13 @@ def eval_jaxpr(
         "auto" picks per platform.
       weak: per argument, whether it takes the dtype of what it is combined with (e.g. the
         model's variables); see `jamp.activations`.
+      placed: per argument, a `jamp.mixed_ops.Placed` (a sharded parameter) or None.
 
     Returns:
       The list of output values, in the dtypes the program was traced with.
     """
     ctx = _Ctx(compute_for, act.resolve(activations) == "compute")
-    outs, _ = _eval(jaxpr, consts, args, compute_dtype, ctx, weak)
+    outs, _ = _eval(jaxpr, consts, args, compute_dtype, ctx, weak, placed)
     # A literal output (e.g. a constant returned by an inlined jit) comes back as an array.
     return [
         jnp.asarray(o, v.aval.dtype) if isinstance(v, jcore.Literal) else _cast(o, v.aval.dtype)
@@ -438,6 +521,7 @@ def autocast(
     *,
     activations: str = "auto",
     weak_argnums: Sequence[int] = (),
+    reduce_dtype=np.float32,
 ) -> Callable:
     """Return `fn` with its matmuls and convolutions run in `compute_dtype`.
 
@@ -454,23 +538,33 @@ def autocast(
       weak_argnums: positional arguments whose leaves are weak in the sense of
         `jamp.activations` (a model's variables): combined with a 16-bit activation they take its
         dtype instead of promoting it to float32.
+      reduce_dtype: the dtype that the gradient of a sharded parameter (see `placing`) leaves its
+        16-bit matmul in, and so is summed across devices in.
 
     Returns:
       A function with `fn`'s signature and output dtypes.
     """
     compute_dtype = None if compute_dtype is None else np.dtype(compute_dtype)
+    reduce_dtype = np.dtype(reduce_dtype)
     act.resolve(activations)  # a bad value fails here, not at the first call
 
     def wrapped(*args, **kwargs):
         leaves, treedef = jax.tree.flatten((args, kwargs))
         traced = [_is_traceable(leaf) for leaf in leaves]
         weak_leaves = [False] * len(leaves)
+        placed_leaves: list[Optional[mixed_ops.Placed]] = [None] * len(leaves)
+        placement_for = _PLACEMENT.get()
         offset = 0
         for i, arg in enumerate(args):
-            n = len(jax.tree.leaves(arg))
+            flat = jax.tree_util.tree_flatten_with_path(arg)[0]
             if i in weak_argnums:
-                weak_leaves[offset : offset + n] = [True] * n
-            offset += n
+                weak_leaves[offset : offset + len(flat)] = [True] * len(flat)
+                if placement_for is not None:
+                    for j, (path, leaf) in enumerate(flat, offset):
+                        where = placement_for(tuple(path), tuple(np.shape(leaf)))
+                        if where is not None:
+                            placed_leaves[j] = mixed_ops.Placed(where, reduce_dtype)
+            offset += len(flat)
 
         def flat_fn(*arrays):
             it = iter(arrays)
@@ -480,6 +574,7 @@ def autocast(
 
         arrays = [leaf for leaf, t in zip(leaves, traced) if t]
         weak = [w for w, t in zip(weak_leaves, traced) if t]
+        placed = [p for p, t in zip(placed_leaves, traced) if t]
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
         ctx = _Ctx(compute_for, act.resolve(activations) == "compute")
         if not _changes(closed.jaxpr, compute_dtype, ctx):
@@ -494,6 +589,7 @@ def autocast(
             compute_for,
             activations=activations,
             weak=weak,
+            placed=placed,
         )
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 

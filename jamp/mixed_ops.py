@@ -14,8 +14,10 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +26,40 @@ from jax import lax
 
 # Accumulate in float32: 16-bit accumulation loses the small terms of long sums.
 _ACC = np.dtype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """Where a sharded operand (a parameter split over a mesh) lives, and the dtype that its
+    gradient crosses the wire in.
+
+    The operand is cast to the compute dtype on its own shard, so that whatever gathers it moves
+    16-bit values (XLA's partitioner, left alone, gathers the float32 parameter and casts after);
+    its gradient leaves the matmul in `reduce_dtype` (the GEMM still accumulates in float32),
+    which is the dtype XLA sums it across devices in, and is constrained back to `sharding`, so
+    that the sum is a reduce-scatter into the parameter's own shards.
+    """
+
+    sharding: jax.sharding.Sharding
+    reduce_dtype: np.dtype = _ACC
+
+
+def _to_compute(x, dtype, placed: Optional[Placed]):
+    x = x.astype(dtype)
+    return x if placed is None else lax.with_sharding_constraint(x, placed.sharding)
+
+
+def _grad_acc(placed: Optional[Placed]) -> np.dtype:
+    return _ACC if placed is None else np.dtype(placed.reduce_dtype)
+
+
+def _to_operand(d, like_dtype, placed: Optional[Placed]):
+    if placed is not None:
+        d = lax.with_sharding_constraint(d, placed.sharding)
+    return d.astype(like_dtype)
+
+
+_UNPLACED = (None, None)
 
 
 def _free_dims(ndim, *used):
@@ -35,7 +71,7 @@ def _size(x, axes) -> int:
     return int(np.prod([x.shape[d] for d in axes], dtype=np.int64))
 
 
-def _canonical_matmul(lhs, rhs, dims):
+def _canonical_matmul(lhs, rhs, dims, acc=_ACC):
     """The same product as a [batch, M, K] x [batch, K, N] matmul behind an optimization barrier.
 
     XLA:CPU runs bf16 x bf16 -> fp32 only in its fast matmul kernels, which take this layout; its
@@ -53,20 +89,22 @@ def _canonical_matmul(lhs, rhs, dims):
     lhs3, rhs3 = lax.optimization_barrier((lhs3, rhs3))
     if not lb:
         out = lax.dot_general(
-            lhs3[0], rhs3[0], (((1,), (0,)), ((), ())), preferred_element_type=_ACC
+            lhs3[0], rhs3[0], (((1,), (0,)), ((), ())), preferred_element_type=acc
         )
     else:
-        out = lax.dot_general(lhs3, rhs3, (((2,), (1,)), ((0,), (0,))), preferred_element_type=_ACC)
+        out = lax.dot_general(lhs3, rhs3, (((2,), (1,)), ((0,), (0,))), preferred_element_type=acc)
     out = lax.optimization_barrier(out)
     return out.reshape(
         tuple(batch) + tuple(lhs.shape[d] for d in l_free) + tuple(rhs.shape[d] for d in r_free)
     )
 
 
-def _matmul(lhs, rhs, dims, out_dtype):
+def _matmul(lhs, rhs, dims, out_dtype, acc=_ACC):
+    """`acc` is the dot's result dtype: float32, or a 16-bit reduce dtype for a weight gradient
+    (the GEMM accumulates in float32 and rounds once, so its partial sums cross devices 16-bit)."""
     if jax.default_backend() == "cpu":
-        return _canonical_matmul(lhs, rhs, dims).astype(out_dtype)
-    return lax.dot_general(lhs, rhs, dims, preferred_element_type=_ACC).astype(out_dtype)
+        return _canonical_matmul(lhs, rhs, dims, acc).astype(out_dtype)
+    return lax.dot_general(lhs, rhs, dims, preferred_element_type=acc).astype(out_dtype)
 
 
 def _inverse_permutation(src):
@@ -74,22 +112,21 @@ def _inverse_permutation(src):
     return tuple(src.index(axis) for axis in range(len(src)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _dot(lhs, rhs, dimension_numbers, compute_dtype, out_dtype):
-    return _matmul(
-        lhs.astype(compute_dtype), rhs.astype(compute_dtype), dimension_numbers, out_dtype
-    )
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _dot(lhs, rhs, dimension_numbers, compute_dtype, out_dtype, placed):
+    return _dot_fwd(lhs, rhs, dimension_numbers, compute_dtype, out_dtype, placed)[0]
 
 
-def _dot_fwd(lhs, rhs, dimension_numbers, compute_dtype, out_dtype):
-    lhs_c, rhs_c = lhs.astype(compute_dtype), rhs.astype(compute_dtype)
+def _dot_fwd(lhs, rhs, dimension_numbers, compute_dtype, out_dtype, placed):
+    lhs_c = _to_compute(lhs, compute_dtype, placed[0])
+    rhs_c = _to_compute(rhs, compute_dtype, placed[1])
     out = _matmul(lhs_c, rhs_c, dimension_numbers, out_dtype)
     # Keep the 16-bit copies, not the fp32 originals: half the residual memory. The zero-size
     # arrays only carry the operands' dtypes to the backward pass.
     return out, (lhs_c, rhs_c, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
 
 
-def _dot_bwd(dimension_numbers, compute_dtype, out_dtype, residuals, g):
+def _dot_bwd(dimension_numbers, compute_dtype, out_dtype, placed, residuals, g):
     del out_dtype
     lhs_c, rhs_c, lhs_like, rhs_like = residuals
     (lc, rc), (lb, rb) = dimension_numbers
@@ -105,22 +142,27 @@ def _dot_bwd(dimension_numbers, compute_dtype, out_dtype, residuals, g):
 
     # d lhs: contract g's rhs-free axes with rhs's free axes. Result axes: [batch] + [lhs free] +
     # [rhs's contracting axes in ascending order], each of which pairs with one lhs contracting axis.
-    d_lhs = _matmul(g_c, rhs_c, ((g_rfree, r_free), (g_batch, rb)), _ACC)
+    acc = _grad_acc(placed[0])
+    d_lhs = _matmul(g_c, rhs_c, ((g_rfree, r_free), (g_batch, rb)), acc, acc)
     src = lb + l_free + [lc[rc.index(r)] for r in sorted(rc)]
     d_lhs = lax.transpose(d_lhs, _inverse_permutation(src))
 
     # d rhs: contract lhs's free axes with g's lhs-free axes. Result axes: [batch] + [lhs's
     # contracting axes in ascending order] + [rhs free].
-    d_rhs = _matmul(lhs_c, g_c, ((l_free, g_lfree), (lb, g_batch)), _ACC)
+    acc = _grad_acc(placed[1])
+    d_rhs = _matmul(lhs_c, g_c, ((l_free, g_lfree), (lb, g_batch)), acc, acc)
     src = rb + [rc[lc.index(axis)] for axis in sorted(lc)] + r_free
     d_rhs = lax.transpose(d_rhs, _inverse_permutation(src))
-    return d_lhs.astype(lhs_like.dtype), d_rhs.astype(rhs_like.dtype)
+    return (
+        _to_operand(d_lhs, lhs_like.dtype, placed[0]),
+        _to_operand(d_rhs, rhs_like.dtype, placed[1]),
+    )
 
 
 _dot.defvjp(_dot_fwd, _dot_bwd)
 
 
-def mixed_dot_general(lhs, rhs, dimension_numbers, compute_dtype, out_dtype):
+def mixed_dot_general(lhs, rhs, dimension_numbers, compute_dtype, out_dtype, placed=_UNPLACED):
     """`lax.dot_general` on operands cast to `compute_dtype`, accumulated in fp32.
 
     Args:
@@ -128,12 +170,14 @@ def mixed_dot_general(lhs, rhs, dimension_numbers, compute_dtype, out_dtype):
       dimension_numbers: as for `lax.dot_general`.
       compute_dtype: dtype of both operands of the forward and backward matmuls.
       out_dtype: dtype of the result.
+      placed: per operand, a `Placed` (a sharded parameter: cast on its shard, gradient reduced
+        in its reduce dtype) or None.
 
     Returns:
       The product, in `out_dtype`. Its gradients come back in `lhs.dtype` and `rhs.dtype`.
     """
     dims = tuple(tuple(tuple(int(d) for d in axes) for axes in pair) for pair in dimension_numbers)
-    return _dot(lhs, rhs, dims, np.dtype(compute_dtype), np.dtype(out_dtype))
+    return _dot(lhs, rhs, dims, np.dtype(compute_dtype), np.dtype(out_dtype), tuple(placed))
 
 
 def _conv(lhs, rhs, params, preferred):
@@ -142,28 +186,31 @@ def _conv(lhs, rhs, params, preferred):
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _mixed_conv(lhs, rhs, params, compute_dtype, out_dtype):
-    return _conv(lhs.astype(compute_dtype), rhs.astype(compute_dtype), params, _ACC).astype(
-        out_dtype
-    )
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _mixed_conv(lhs, rhs, params, compute_dtype, out_dtype, placed):
+    return _conv_fwd(lhs, rhs, params, compute_dtype, out_dtype, placed)[0]
 
 
-def _conv_fwd(lhs, rhs, params, compute_dtype, out_dtype):
-    lhs_c, rhs_c = lhs.astype(compute_dtype), rhs.astype(compute_dtype)
+def _conv_fwd(lhs, rhs, params, compute_dtype, out_dtype, placed):
+    lhs_c = _to_compute(lhs, compute_dtype, placed[0])
+    rhs_c = _to_compute(rhs, compute_dtype, placed[1])
     out = _conv(lhs_c, rhs_c, params, _ACC).astype(out_dtype)
     return out, (lhs_c, rhs_c, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
 
 
-def _conv_bwd(params, compute_dtype, out_dtype, residuals, g):
+def _conv_bwd(params, compute_dtype, out_dtype, placed, residuals, g):
     del out_dtype
     lhs_c, rhs_c, lhs_like, rhs_like = residuals
     # Convolution transposes are convolutions with rearranged windows; JAX's own rules get those
     # right. Running them on a compute-dtype cotangent keeps every backward operand 16-bit; XLA
-    # accumulates these convolutions in fp32 internally.
+    # accumulates these convolutions in fp32 internally and returns the compute dtype, which is
+    # therefore also the dtype a sharded kernel's gradient is reduced in.
     _, vjp = jax.vjp(lambda x, w: _conv(x, w, params, None), lhs_c, rhs_c)
     d_lhs, d_rhs = vjp(g.astype(compute_dtype))
-    return d_lhs.astype(lhs_like.dtype), d_rhs.astype(rhs_like.dtype)
+    return (
+        _to_operand(d_lhs, lhs_like.dtype, placed[0]),
+        _to_operand(d_rhs, rhs_like.dtype, placed[1]),
+    )
 
 
 _mixed_conv.defvjp(_conv_fwd, _conv_bwd)
@@ -240,16 +287,16 @@ def _channels_last_perms(dn):
 _MM = (((1,), (0,)), ((), ()))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _patch_conv(lhs, rhs, params, compute_dtype, out_dtype):
-    return _patch_conv_fwd(lhs, rhs, params, compute_dtype, out_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _patch_conv(lhs, rhs, params, compute_dtype, out_dtype, placed):
+    return _patch_conv_fwd(lhs, rhs, params, compute_dtype, out_dtype, placed)[0]
 
 
-def _patch_conv_fwd(lhs, rhs, params, compute_dtype, out_dtype):
+def _patch_conv_fwd(lhs, rhs, params, compute_dtype, out_dtype, placed):
     p = dict(params)
     to_lhs, to_rhs, to_out = _channels_last_perms(p["dimension_numbers"])
-    x = lax.transpose(lhs.astype(compute_dtype), to_lhs)
-    w = lax.transpose(rhs.astype(compute_dtype), to_rhs)
+    x = lax.transpose(_to_compute(lhs, compute_dtype, placed[0]), to_lhs)
+    w = lax.transpose(_to_compute(rhs, compute_dtype, placed[1]), to_rhs)
     patches = _extract_patches(x, w.shape[:-2], p["window_strides"], p["padding"])
     w2 = w.reshape(-1, w.shape[-1])
     out = _canonical_matmul(patches.reshape(-1, w2.shape[0]), w2, _MM)
@@ -260,7 +307,7 @@ def _patch_conv_fwd(lhs, rhs, params, compute_dtype, out_dtype):
     return out, (patches, w, shape_like, jnp.zeros((0,), rhs.dtype))
 
 
-def _patch_conv_bwd(params, compute_dtype, out_dtype, residuals, g):
+def _patch_conv_bwd(params, compute_dtype, out_dtype, placed, residuals, g):
     del out_dtype
     p = dict(params)
     to_lhs, to_rhs, to_out = _channels_last_perms(p["dimension_numbers"])
@@ -268,7 +315,8 @@ def _patch_conv_bwd(params, compute_dtype, out_dtype, residuals, g):
     g2 = lax.transpose(g.astype(compute_dtype), to_out).reshape(-1, w.shape[-1])
     p2 = patches.reshape(-1, patches.shape[-1])
     # Both products take 16-bit operands and return fp32; the scatter back sums in fp32.
-    d_w = _canonical_matmul(p2, g2, (((0,), (0,)), ((), ()))).reshape(w.shape)
+    d_w = _canonical_matmul(p2, g2, (((0,), (0,)), ((), ())), _grad_acc(placed[1]))
+    d_w = d_w.reshape(w.shape)
     d_patches = _canonical_matmul(g2, w.reshape(-1, w.shape[-1]), (((1,), (1,)), ((), ())))
     d_x = _scatter_patches(
         d_patches.reshape(patches.shape),
@@ -277,15 +325,18 @@ def _patch_conv_bwd(params, compute_dtype, out_dtype, residuals, g):
         p["window_strides"],
         p["padding"],
     )
-    d_lhs = lax.transpose(d_x, _inverse_permutation(to_lhs)).astype(lhs_like.dtype)
-    d_rhs = lax.transpose(d_w, _inverse_permutation(to_rhs)).astype(rhs_like.dtype)
-    return d_lhs, d_rhs
+    d_lhs = lax.transpose(d_x, _inverse_permutation(to_lhs))
+    d_rhs = lax.transpose(d_w, _inverse_permutation(to_rhs))
+    return (
+        _to_operand(d_lhs, lhs_like.dtype, placed[0]),
+        _to_operand(d_rhs, rhs_like.dtype, placed[1]),
+    )
 
 
 _patch_conv.defvjp(_patch_conv_fwd, _patch_conv_bwd)
 
 
-def mixed_conv(lhs, rhs, params, compute_dtype, out_dtype):
+def mixed_conv(lhs, rhs, params, compute_dtype, out_dtype, placed=_UNPLACED):
     """`lax.conv_general_dilated` on operands cast to `compute_dtype`.
 
     Args:
@@ -294,11 +345,15 @@ def mixed_conv(lhs, rhs, params, compute_dtype, out_dtype):
         `preferred_element_type` is replaced).
       compute_dtype: dtype of the operands of the forward and backward convolutions.
       out_dtype: dtype of the result.
+      placed: per operand, a `Placed` or None, as for `mixed_dot_general`. (A sharded kernel's
+        gradient leaves XLA's backward convolution in the compute dtype, whatever the reduce
+        dtype; the patch-matmul lowering honours it.)
 
     Returns:
       The convolution, in `out_dtype`; gradients come back in the operands' own dtypes.
     """
     frozen = tuple(sorted((k, v) for k, v in params.items() if k != "preferred_element_type"))
+    dtypes = (np.dtype(compute_dtype), np.dtype(out_dtype), tuple(placed))
     if _patch_lowerable(lhs, rhs, params):
-        return _patch_conv(lhs, rhs, frozen, np.dtype(compute_dtype), np.dtype(out_dtype))
-    return _mixed_conv(lhs, rhs, frozen, np.dtype(compute_dtype), np.dtype(out_dtype))
+        return _patch_conv(lhs, rhs, frozen, *dtypes)
+    return _mixed_conv(lhs, rhs, frozen, *dtypes)

@@ -3,8 +3,13 @@
 A policy names three dtypes: the one parameters are stored in, the one the
 model computes in, and the one its outputs are returned in. jamp uses
 `jmp.Policy` unchanged, so anything that takes a jmp policy takes ours.
+
+A fourth, optional dtype says what gradients cross the wire in when parameters are sharded
+over devices (FSDP2's `reduce_dtype`): `"mixed_bfloat16,reduce=bf16"`. It defaults to float32;
+a policy that names another is a `jamp.precision.Policy`, a `jmp.Policy` with that one field more.
 """
 
+import dataclasses
 from typing import Union
 
 import jax.numpy as jnp
@@ -25,6 +30,8 @@ _KEYS = {
     "compute": "compute",
     "o": "output",
     "output": "output",
+    "r": "reduce",
+    "reduce": "reduce",
 }
 # jmp also knows float64; mixed precision has no use for it, so it is refused.
 # "half" is jmp's backend-dependent 16-bit type (bfloat16 on TPU, float16 elsewhere).
@@ -34,8 +41,32 @@ _ACCEPTED = (
     "Accepted: a preset (" + ", ".join(PRESETS) + "); a dtype name used for all three "
     "dtypes (" + ", ".join(DTYPE_NAMES) + "); or comma-separated key=dtype pairs with keys "
     "p/params, c/compute, o/output (e.g. 'p=f32,c=bf16,o=f32'; params default to float32, "
-    "compute follows params, output follows compute)."
+    "compute follows params, output follows compute); a preset or the pairs may add "
+    "r/reduce=f32|bf16|f16, the dtype sharded gradients are reduced in (e.g. "
+    "'mixed_bfloat16,reduce=bf16')."
 )
+_F32 = jnp.dtype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy(jmp.Policy):
+    """A `jmp.Policy` that also names the dtype gradients of sharded parameters are reduced in.
+
+    Made by `get_policy` when a spec names a reduce dtype other than float32; every jmp method
+    works as on its base class.
+    """
+
+    reduce_dtype: jnp.dtype = _F32
+
+    def __str__(self):
+        short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+        return f"{super().__str__()},r={short[jnp.dtype(self.reduce_dtype).name]}"
+
+
+def reduce_dtype(policy: "PolicyLike") -> jnp.dtype:
+    """The dtype `policy`'s sharded gradients cross devices in: float32 unless it names another."""
+    return jnp.dtype(getattr(get_policy(policy), "reduce_dtype", _F32))
+
 
 PolicyLike = Union[str, jmp.Policy]
 
@@ -49,17 +80,18 @@ def _check_dtype(name: str, spec) -> None:
         raise _fail(spec, f"unknown dtype {name!r}")
 
 
-def _normalise(spec: str) -> str:
-    """Checks `spec` against the grammar and returns it in jmp's spelling."""
+def _normalise(spec: str) -> tuple[str, str]:
+    """Checks `spec` against the grammar; returns it in jmp's spelling and the reduce dtype name."""
     text = spec.strip()
     if not text:
         raise _fail(spec, "empty string")
-    if text in _PRESET_SPECS:
-        return _PRESET_SPECS[text]
+    head, _, rest = text.partition(",")
+    if head.strip() in _PRESET_SPECS:  # a preset, perhaps with a reduce dtype after it
+        text = _PRESET_SPECS[head.strip()] + ("," + rest if rest else "")
     if "=" not in text:
         _check_dtype(text, spec)
-        return text
-    parts, seen = [], set()
+        return text, "f32"
+    parts, seen, reduce = [], set(), "f32"
     for part in text.split(","):
         key, sep, value = (s.strip() for s in part.partition("="))
         if not sep:
@@ -71,8 +103,13 @@ def _normalise(spec: str) -> str:
             raise _fail(spec, f"duplicate key {key!r} ({_KEYS[key]} given twice)")
         seen.add(_KEYS[key])
         _check_dtype(value, spec)
-        parts.append(f"{key}={value}")
-    return ",".join(parts)
+        if _KEYS[key] == "reduce":
+            reduce = value
+        else:
+            parts.append(f"{key}={value}")
+    if not parts:
+        raise _fail(spec, "a reduce dtype alone names no policy")
+    return ",".join(parts), reduce
 
 
 def get_policy(spec: PolicyLike) -> jmp.Policy:
@@ -97,14 +134,17 @@ def get_policy(spec: PolicyLike) -> jmp.Policy:
         return spec
     if not isinstance(spec, str):
         raise _fail(spec, f"expected a string or jmp.Policy, got {type(spec).__name__}")
-    normalised = _normalise(spec)
+    normalised, reduce = _normalise(spec)
     try:
         policy = jmp.get_policy(normalised)
+        reduce = jnp.dtype(jmp.get_policy(reduce).param_dtype)
     except Exception as e:  # Our grammar check should leave nothing for jmp to refuse.
         raise _fail(spec, str(e)) from e
-    for dtype in (policy.param_dtype, policy.compute_dtype, policy.output_dtype):
+    for dtype in (policy.param_dtype, policy.compute_dtype, policy.output_dtype, reduce):
         if jnp.dtype(dtype) not in _ALLOWED:
             raise _fail(spec, f"dtype {jnp.dtype(dtype).name!r} is not a mixed-precision dtype")
+    if reduce != _F32:
+        policy = Policy(policy.param_dtype, policy.compute_dtype, policy.output_dtype, reduce)
     return policy
 
 
@@ -123,4 +163,6 @@ def describe(policy: PolicyLike) -> str:
     """
     p = get_policy(policy)
     names = (jnp.dtype(d).name for d in (p.param_dtype, p.compute_dtype, p.output_dtype))
-    return "params={},compute={},output={}".format(*names)
+    text = "params={},compute={},output={}".format(*names)
+    reduce = reduce_dtype(p)
+    return text if reduce == _F32 else f"{text},reduce={reduce.name}"

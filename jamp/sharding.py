@@ -34,6 +34,8 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jamp import autocast, hlo
+
 PyTree = Any
 
 #: The mesh axes jamp knows, in the order a mesh lists them.
@@ -239,11 +241,51 @@ def shard_batch(batch: PyTree, mesh: Mesh, *, process_local: bool = False) -> Py
     return jax.tree.map(place, batch)
 
 
+class _ParamPlacement:
+    """Where each param lives, for `jamp.autocast.placing`: a model's variables are matched to
+    the state's params by path (the one ends the other: a model may be applied to
+    `{"params": params}`, or a submodule to a subtree) and shape. Only a layout hint: a wrong
+    match could cost speed, never change a value."""
+
+    def __init__(self, params: PyTree, shardings: PyTree):
+        flat = jax.tree_util.tree_flatten_with_path(params)[0]
+        self._known = [
+            (_keys(path), tuple(np.shape(leaf)), s)
+            for (path, leaf), s in zip(flat, jax.tree.leaves(shardings))
+        ]
+
+    def __call__(self, path, shape):
+        keys = _keys(path)
+        found = {
+            s
+            for k, kshape, s in self._known
+            if kshape == shape and (keys[-len(k) :] == k or k[-len(keys) :] == keys)
+        }
+        if len(found) != 1:
+            return None  # unknown, or ambiguous: leave the layout to XLA
+        (sharding,) = found
+        return None if sharding.is_fully_replicated else sharding
+
+
+def _placing_params(fn, state_sharding):
+    """`fn(state, ...)` traced with `autocast.placing` the state's params: 16-bit gathers, and
+    gradients reduced in the policy's reduce dtype (see `jamp.wrap`)."""
+
+    def placed(state, *args):
+        with autocast.placing(_ParamPlacement(state.params, state_sharding.params)):
+            return fn(state, *args)
+
+    return placed
+
+
 def make_sharded_train_step(train_step, mesh: Mesh, state_sharding: PyTree):
     """`train_step` (from `jamp.make_train_step`, without `axis_name`) jitted for `mesh`.
 
     The state goes in and comes out with `state_sharding` (donated: its buffers are reused), the
-    batch split as `shard_batch` splits it, the key and metrics replicated.
+    batch split as `shard_batch` splits it, the key and metrics replicated. A `jamp.wrap`ped
+    model inside casts each sharded param to the compute dtype on its shard, so the params are
+    gathered in 16 bits, and its matmuls' param gradients are reduce-scattered in the policy's
+    reduce dtype (float32 unless the policy says e.g. "mixed_bfloat16,reduce=bf16").
     """
     if getattr(train_step, "axis_name", None) is not None:
         raise ValueError(
@@ -252,7 +294,7 @@ def make_sharded_train_step(train_step, mesh: Mesh, state_sharding: PyTree):
         )
     replicated = NamedSharding(mesh, P())
     return jax.jit(
-        train_step,
+        _placing_params(train_step, state_sharding),
         in_shardings=(state_sharding, batch_sharding(mesh), replicated),
         out_shardings=(state_sharding, replicated),
         donate_argnums=(0,),
@@ -261,9 +303,10 @@ def make_sharded_train_step(train_step, mesh: Mesh, state_sharding: PyTree):
 
 def make_sharded_eval_step(eval_step, mesh: Mesh, state_sharding: PyTree):
     """`eval_step` (from `jamp.make_eval_step`, without `axis_name`) jitted for `mesh`: the state
-    as placed, the batch split as `shard_batch` splits it, the metrics replicated."""
+    as placed (params gathered in the compute dtype), the batch split as `shard_batch` splits
+    it, the metrics replicated."""
     return jax.jit(
-        eval_step,
+        _placing_params(eval_step, state_sharding),
         in_shardings=(state_sharding, batch_sharding(mesh)),
         out_shardings=NamedSharding(mesh, P()),
     )
@@ -304,3 +347,13 @@ def describe(state, mesh: Optional[Mesh] = None) -> str:
             shown = ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
             lines.append(f"    replicated, {why}: {shown}")
     return "\n".join(lines)
+
+
+def collectives(jitted, *args, **kwargs) -> list[hlo.Collective]:
+    """The collectives of `jitted(*args, **kwargs)` as XLA's SPMD partitioner placed them: kind,
+    dtype, per-device shape and bytes, and the JAX name stack each came from.
+
+    Read before any backend widens 16-bit collectives (XLA:CPU runs them in float32); see
+    `jamp.hlo`. E.g. under "mixed_bfloat16" every matmul weight is all-gathered as bf16.
+    """
+    return hlo.collectives(hlo.partitioned_hlo(jitted, *args, **kwargs))

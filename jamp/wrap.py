@@ -14,7 +14,11 @@ variables, same call arguments) but:
   (`activations=`, see `jamp.activations`);
 * normalization layers (Flax's own and any class named like one, and anything else named in
   `overrides`) run under their own policy, float32 by default;
-* parameters are created in the policy's param dtype and outputs are cast to its output dtype.
+* parameters are created in the policy's param dtype and outputs are cast to its output dtype;
+* under `jamp.sharding`'s steps, a parameter split over devices is cast to the compute dtype
+  on its shard, before it is gathered, and its matmul gradients are summed across devices in
+  the policy's reduce dtype (float32 unless the policy names another, e.g.
+  "mixed_bfloat16,reduce=bf16").
 
 Example::
 
@@ -39,7 +43,7 @@ from flax.core import DenyList
 
 from jamp import activations as activations_lib
 from jamp import autocast as autocast_lib
-from jamp.precision import get_policy
+from jamp.precision import get_policy, reduce_dtype
 
 PolicyLike = Union[str, jmp.Policy]
 OverrideKey = Union[type, str]
@@ -207,6 +211,7 @@ class Wrapped(nn.Module):
             self._compute_for,
             activations=self.activations,
             weak_argnums=(0,),
+            reduce_dtype=reduce_dtype(self.policy),
         )(*args, **kwargs)
 
     # ----- the linen entry points, with the inner module's signatures

@@ -36,6 +36,7 @@ RANK = {
     "precision": 0,
     "mixed_ops": 0,
     "activations": 0,
+    "hlo": 0,
     "loss_scale": 1,
     "autocast": 1,
     "wrap": 2,

@@ -185,3 +185,28 @@ def test_mixed_dot_general_matches_autodiff_of_rounded_operands(compute):
     np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
     for got, ref in zip(vjp(cot), ref_vjp(rnd(cot))):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("reduce", [F32, BF16])
+def test_mixed_dot_general_placed_operand_gradient_leaves_in_the_reduce_dtype(reduce):
+    """A placed (sharded) weight: the same values forward, its gradient rounded once to the
+    reduce dtype (the dtype it is summed across devices in) and handed back float32."""
+    k1, k2, k3 = jax.random.split(jax.random.key(2), 3)
+    x, w, cot = (jax.random.normal(k, s) for k, s in zip((k1, k2, k3), ((8, 6), (6, 5), (8, 5))))
+    dims = (((1,), (0,)), ((), ()))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+    placed = mixed_ops.Placed(
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), reduce
+    )
+
+    def run(where):
+        f = jax.jit(lambda a, b: mixed_ops.mixed_dot_general(a, b, dims, BF16, F32, where))
+        out, vjp = jax.vjp(f, x, w)
+        return out, *vjp(cot)
+
+    out, d_x, d_w = run((None, placed))
+    ref_out, ref_dx, ref_dw = run((None, None))
+    np.testing.assert_array_equal(out, ref_out)
+    np.testing.assert_array_equal(d_x, ref_dx)
+    assert d_w.dtype == F32
+    np.testing.assert_array_equal(d_w, ref_dw.astype(reduce).astype(F32))

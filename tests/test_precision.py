@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import jmp
 import pytest
 
+from jamp import precision
 from jamp.precision import DTYPE_NAMES, PRESETS, describe, get_policy
 
 F32, F16, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)
@@ -119,3 +120,43 @@ def test_describe_round_trips_through_get_policy():
     for spec in PRESETS + ("c=bf16", "p=f16,c=f16,o=f32"):
         policy = get_policy(spec)
         assert _dtypes(get_policy(describe(policy))) == _dtypes(policy)
+
+
+@pytest.mark.parametrize(
+    "spec,reduce",
+    [
+        ("mixed_bfloat16,reduce=bf16", jnp.bfloat16),
+        ("p=f32,c=f16,o=f32,r=f16", jnp.float16),
+        (" mixed_bfloat16 , r = bfloat16", jnp.bfloat16),
+        ("mixed_bfloat16,reduce=f32", jnp.float32),
+        ("mixed_bfloat16", jnp.float32),
+    ],
+)
+def test_get_policy_reduce_dtype_is_a_fourth_optional_field(spec, reduce):
+    policy = get_policy(spec)
+    assert isinstance(policy, jmp.Policy)  # whatever takes a jmp policy takes it
+    assert precision.reduce_dtype(policy) == jnp.dtype(reduce)
+    assert policy.compute_dtype in (jnp.bfloat16, jnp.float16)
+    assert policy.cast_to_compute(jnp.ones(2)).dtype == policy.compute_dtype
+    # float32 is the default: naming it gives the plain jmp policy, equal to the preset's.
+    if jnp.dtype(reduce) == jnp.float32:
+        assert type(policy) is jmp.Policy
+    else:
+        assert describe(policy).endswith(f",reduce={jnp.dtype(reduce).name}")
+        assert get_policy(str(policy)) == policy and get_policy(describe(policy)) == policy
+
+
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        ("r=bf16", "a reduce dtype alone names no policy"),
+        ("mixed_bfloat16,reduce=int8", "unknown dtype 'int8'"),
+        ("mixed_bfloat16,r=bf16,reduce=f32", "duplicate key 'reduce'"),
+        ("mixed_bfloat16,c=f16", "duplicate key 'c'"),
+    ],
+)
+def test_get_policy_reduce_errors_are_one_line(spec, needle):
+    with pytest.raises(ValueError) as info:
+        get_policy(spec)
+    assert needle in str(info.value) and "r/reduce" in str(info.value)
+    assert "\n" not in str(info.value)
