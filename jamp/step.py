@@ -141,6 +141,7 @@ def make_train_step(
     axis_name: str | None = None,
     accumulation_steps: int = 1,
     max_grad_norm: float | None = None,
+    reduce_dtype=None,
 ) -> Callable[[TrainState, PyTree, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds a pure mixed-precision train step.
 
@@ -153,6 +154,9 @@ def make_train_step(
       accumulation_steps: split the batch's leading axis into this many microbatches and apply
         one update with their averaged gradients.
       max_grad_norm: if set, clip the unscaled gradients to this global norm before `tx`.
+      reduce_dtype: with `axis_name`, the dtype gradients are averaged across replicas in (a
+        policy's, `jamp.precision.reduce_dtype`); None: their own (float32). Under
+        `jamp.sharding` the wrapped model's matmuls decide it instead.
 
     Returns:
       `train_step(state, batch, rng) -> (new_state, metrics)`, where `rng` is one base key for the
@@ -193,9 +197,12 @@ def make_train_step(
             # Average before checking finiteness: an inf on one replica becomes an inf on all, so
             # every replica takes the same skip decision and the replicas never drift apart. Batch
             # statistics are averaged too, for the same reason.
+            if reduce_dtype is not None:  # what crosses the wire; an overflow there is caught
+                grads = jax.tree.map(lambda g: g.astype(reduce_dtype), grads)
             grads, loss, model_state, metrics = _pmean_floats(
                 (grads, loss, model_state, metrics), axis_name
             )
+            grads = jax.tree.map(lambda g, p: g.astype(jnp.asarray(p).dtype), grads, state.params)
         grads = loss_scale.unscale(grads)  # the scale of step 2, not the adjusted one
         finite = all_finite(grads)
         grad_norm = optax.tree.norm(grads)

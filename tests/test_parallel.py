@@ -1,10 +1,13 @@
 """Tests for jamp.parallel on 8 simulated CPU devices (set by tests/conftest.py)."""
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.extend import core as jcore
 from toy import MLP, BNNet, make_batch, make_loss_fn
 
 from jamp.loss_scale import DynamicLossScale
@@ -181,3 +184,32 @@ def test_p_eval_step_averages_over_devices():
     metrics = p_eval(replicate(state), shard(batch))
     assert_replicas_equal(metrics)
     np.testing.assert_allclose(unreplicate(metrics)["mse"], expected["mse"], rtol=1e-5)
+
+
+def test_p_train_step_averages_gradients_in_the_reduce_dtype():
+    model, tx = MLP(), optax.sgd(0.1)
+    batch = shard(make_batch(key=3))
+    steps = {
+        r: make_train_step(make_loss_fn(model), tx, axis_name="batch", reduce_dtype=r)
+        for r in (None, jnp.bfloat16)
+    }
+    state = replicate(make_state(model, tx))
+    # The psums of the gradients take bf16 operands; the other averages stay float32.
+    p_narrow = jax.pmap(steps[jnp.bfloat16], axis_name="batch", in_axes=(0, 0, None))
+    summed = collections.Counter()
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "psum":
+                summed.update(str(v.aval.dtype) for v in eqn.invars)
+            for sub in jcore.jaxprs_in_params(eqn.params):
+                visit(sub)
+
+    visit(jax.make_jaxpr(p_narrow)(state, batch, KEY).jaxpr)
+    assert summed["bfloat16"] == len(jax.tree.leaves(state.params)) and summed["float32"] >= 1
+    (wide, _), (narrow, _) = (  # a fresh state each: the step donates its state
+        make_p_train_step(steps[r])(replicate(make_state(model, tx)), batch, KEY) for r in steps
+    )
+    for a, b in zip(jax.tree.leaves(unreplicate(wide)), jax.tree.leaves(unreplicate(narrow))):
+        assert a.dtype == b.dtype
+        np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3)  # one bf16 rounding of the grads
