@@ -19,8 +19,18 @@ Placement rule: each param, and every optimizer-state leaf with the param's path
 moments), is split over `fsdp` along its largest dimension that `fsdp` divides; a leaf with no
 such dimension (a scalar, a bias of odd width) stays replicated, and `describe` says so. Mutable
 model state (batch statistics), the loss scale and the counters are replicated. Axes `data`, `fsdp`
-and `tensor` may appear in a mesh; `tensor` is reserved for tensor-parallel rules and so far holds
-no state (a mesh with it replicates over it).
+and `tensor` may appear in a mesh.
+
+Tensor parallelism comes from `rules`: `(path pattern, spec)` pairs, the pattern an fnmatch glob
+over the param's path ("*/Dense_0/kernel", as `jamp.wrap`'s overrides match), the spec one mesh
+axis (or None, or a tuple of axes) per dimension, e.g. Megatron's MLP:
+
+    >>> rules = [("*/Dense_0/kernel", (None, "tensor")), ("*/Dense_1/kernel", ("tensor", None))]
+
+The first matching rule places a param's dimensions; FSDP then splits the largest dimension the
+rule left free. An axis the mesh lacks is dropped, so one set of rules serves every mesh. Models
+that carry Flax partitioning metadata (`nn.with_partitioning`, `nn.with_logical_partitioning`)
+give their rules through `rules_from_metadata`.
 """
 
 from __future__ import annotations
@@ -34,12 +44,13 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jamp import autocast, hlo
+from jamp import autocast, hlo, placement
+from jamp.placement import AXES, Rules, path_keys
+from jamp.placement import describe as describe  # re-exported: the public surface is here
+from jamp.placement import rules_from_metadata as rules_from_metadata
 
 PyTree = Any
 
-#: The mesh axes jamp knows, in the order a mesh lists them.
-AXES = ("data", "fsdp", "tensor")
 #: The axes a batch is split over (FSDP is data parallel too).
 BATCH_AXES = ("data", "fsdp")
 
@@ -117,93 +128,33 @@ def _what_exists(devices) -> str:
     return f"{'/'.join(kinds)} x{len(devices)} over {processes} process(es)"
 
 
-def _axis_size(mesh: Mesh, name: str) -> int:
-    return int(mesh.shape[name]) if name in mesh.axis_names else 1
-
-
-def _fsdp_spec(shape: tuple[int, ...], fsdp: int) -> tuple[P, Optional[str]]:
-    """The spec splitting the largest dimension `fsdp` divides, and why not, if none does."""
-    if fsdp == 1:
-        return P(), "no fsdp axis"
-    if not shape:
-        return P(), "a scalar"
-    order = sorted(range(len(shape)), key=lambda d: (-shape[d], d))
-    for d in order:
-        if shape[d] % fsdp == 0:
-            return P(*([None] * d + ["fsdp"])), None
-    return P(), f"no dimension of {shape} divides by fsdp={fsdp}"
-
-
-def _keys(path) -> tuple[str, ...]:
-    out = []
-    for entry in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(entry, attr):
-                out.append(str(getattr(entry, attr)))
-                break
-        else:
-            out.append(str(entry))
-    return tuple(out)
-
-
-def _param_specs(
-    params: PyTree, mesh: Mesh
-) -> dict[tuple[str, ...], tuple[tuple, P, Optional[str]]]:
-    fsdp = _axis_size(mesh, "fsdp")
-    specs = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        shape = tuple(np.shape(leaf))
-        spec, why = _fsdp_spec(shape, fsdp)
-        specs[_keys(path)] = (shape, spec, why)
-    return specs
-
-
-def _like_param(keys, shape, param_specs) -> Optional[tuple[P, Optional[str]]]:
-    """The spec of the param whose path ends `keys` and whose shape is `shape` (Adam's mu, nu)."""
-    for pkeys, (pshape, spec, why) in param_specs.items():
-        if pshape == shape and len(keys) >= len(pkeys) and keys[len(keys) - len(pkeys) :] == pkeys:
-            return spec, why
-    return None
-
-
-def _state_plan(state, mesh: Mesh):
-    """(field, keys, spec, why-replicated) for every leaf of a TrainState."""
-    param_specs = _param_specs(state.params, mesh)
-    plan = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        keys = _keys(path)
-        field, rest = keys[0], keys[1:]
-        shape = tuple(np.shape(leaf))
-        if field == "params":
-            _, spec, why = param_specs[rest]
-        elif field == "opt_state":
-            found = _like_param(rest, shape, param_specs)
-            spec, why = found if found else (P(), "optimizer state not shaped like a param")
-        elif field == "model_state":
-            spec, why = P(), "mutable model state (e.g. batch statistics) is replicated"
-        else:
-            spec, why = P(), "loss scale and counters are replicated"
-        plan.append((field, keys, spec, why))
-    return plan
-
-
-def state_shardings(state, mesh: Optional[Mesh] = None) -> PyTree:
+def state_shardings(state, mesh: Optional[Mesh] = None, rules: Optional[Rules] = None) -> PyTree:
     """The `NamedSharding` of every leaf of a `TrainState` on `mesh` (see the module docstring).
 
     With `mesh` None, `state` must already be placed (by `shard_state`): its leaves' shardings.
     """
     if mesh is None:
         return jax.tree.map(lambda x: x.sharding, state)
-    specs = [spec for _, _, spec, _ in _state_plan(state, mesh)]
+    specs = [spec for _, _, spec, _ in placement.state_plan(state, mesh, rules)]
     treedef = jax.tree.structure(state)
     return jax.tree.unflatten(treedef, [NamedSharding(mesh, s) for s in specs])
 
 
-def shard_state(state, mesh: Mesh):
-    """`state` (a `jamp.TrainState` of host or single-device arrays) placed on `mesh`."""
+def shard_state(state, mesh: Mesh, rules: Optional[Rules] = None):
+    """`state` (a `jamp.TrainState` of host or single-device arrays) placed on `mesh`.
+
+    Args:
+      state: the state to place.
+      mesh: from `make_mesh`.
+      rules: tensor-parallel placement, `(path pattern, spec)` pairs (see the module docstring);
+        FSDP splits what they leave free.
+
+    Raises:
+      ValueError: one line naming a rule that does not fit its param or the known axes.
+    """
     # From host copies: the sharded step donates its state, and a device_put that reused a
     # buffer of `state` (it does, for replicated scalars already on a device) would free it.
-    shardings = state_shardings(state, mesh)
+    shardings = state_shardings(state, mesh, rules)
     return jax.tree.map(lambda x, s: jax.device_put(np.asarray(x), s), state, shardings)
 
 
@@ -225,7 +176,7 @@ def shard_batch(batch: PyTree, mesh: Mesh, *, process_local: bool = False) -> Py
       ValueError: the batch does not divide over the devices it is split across.
     """
     sharding = batch_sharding(mesh)
-    ways = math.prod(_axis_size(mesh, a) for a in BATCH_AXES)
+    ways = math.prod(placement.axis_size(mesh, a) for a in BATCH_AXES)
 
     def place(x):
         n = np.shape(x)[0] * (jax.process_count() if process_local else 1)
@@ -250,12 +201,12 @@ class _ParamPlacement:
     def __init__(self, params: PyTree, shardings: PyTree):
         flat = jax.tree_util.tree_flatten_with_path(params)[0]
         self._known = [
-            (_keys(path), tuple(np.shape(leaf)), s)
+            (path_keys(path), tuple(np.shape(leaf)), s)
             for (path, leaf), s in zip(flat, jax.tree.leaves(shardings))
         ]
 
     def __call__(self, path, shape):
-        keys = _keys(path)
+        keys = path_keys(path)
         found = {
             s
             for k, kshape, s in self._known
@@ -310,43 +261,6 @@ def make_sharded_eval_step(eval_step, mesh: Mesh, state_sharding: PyTree):
         in_shardings=(state_sharding, batch_sharding(mesh)),
         out_shardings=NamedSharding(mesh, P()),
     )
-
-
-def _spec_text(spec: P) -> str:
-    axes = sorted({a for a in spec if a is not None})
-    return f"split over {','.join(axes)}" if axes else "replicated"
-
-
-def describe(state, mesh: Optional[Mesh] = None) -> str:
-    """Per group of leaves (field and placement), the bytes per device; what stayed replicated, why.
-
-    `state` is a placed `TrainState` (from `shard_state`), or any `TrainState` with `mesh` given.
-    """
-    if mesh is None:
-        mesh = next(iter(jax.tree.leaves(state))).sharding.mesh
-    groups: dict[tuple[str, str], dict] = {}
-    total = total_dev = 0
-    for (field, keys, spec, why), leaf in zip(_state_plan(state, mesh), jax.tree.leaves(state)):
-        shape, itemsize = tuple(np.shape(leaf)), np.dtype(leaf.dtype).itemsize
-        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
-        per_dev = int(np.prod(NamedSharding(mesh, spec).shard_shape(shape), dtype=np.int64))
-        per_dev *= itemsize
-        total, total_dev = total + nbytes, total_dev + per_dev
-        g = groups.setdefault((field, _spec_text(spec)), {"n": 0, "dev": 0, "all": 0, "why": {}})
-        g["n"], g["dev"], g["all"] = g["n"] + 1, g["dev"] + per_dev, g["all"] + nbytes
-        if why and field in ("params", "opt_state"):
-            g["why"].setdefault(why, []).append("/".join(keys[1:]))
-    mesh_text = ", ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
-    lines = [
-        f"mesh {mesh_text}: {total_dev:,} of {total:,} bytes of state per device",
-        f"  {'field':12} {'placement':22} {'leaves':>6} {'bytes/device':>14} {'of total':>14}",
-    ]
-    for (field, placement), g in groups.items():
-        lines.append(f"  {field:12} {placement:22} {g['n']:>6} {g['dev']:>14,} {g['all']:>14,}")
-        for why, names in g["why"].items():
-            shown = ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
-            lines.append(f"    replicated, {why}: {shown}")
-    return "\n".join(lines)
 
 
 def collectives(jitted, *args, **kwargs) -> list[hlo.Collective]:

@@ -43,6 +43,7 @@ RANK = {
     "state": 2,
     "step": 3,
     "parallel": 4,
+    "placement": 0,
     "sharding": 4,
     "models": 4,
     "checkpoint": 4,
