@@ -160,12 +160,72 @@ def _abstract(target: Any) -> Any:
     return jax.tree_util.tree_map(spec, target)
 
 
+def _savable(leaf: Any) -> Any:
+    """A leaf as Orbax saves it in a multi-process run.
+
+    Orbax refuses arrays that live on one process's devices only (pmap's unreplicated state): those
+    become host numpy arrays, which every process holds alike and process 0 writes. A global array
+    over several processes' devices (a sharded state) stays as it is: every process writes its own
+    shards, and a replicated one is written once.
+    """
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        return leaf
+    return jax.device_get(leaf)
+
+
+class _ReadFailure:
+    """What `_handler()`'s restore returns instead of raising: the read error of this process."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _handler() -> ocp.StandardCheckpointHandler:
+    """Orbax's standard handler, whose restore returns a failed read instead of raising it.
+
+    In a multi-process run Orbax ends every restore at a barrier of all processes. A sharded state
+    is read shard by shard, each process reading its own, so damage may show on one process only;
+    raised, its error would leave that process skipping the barrier and the others waiting at it.
+    Returned, every process reaches the barrier and the processes then agree (`_agree`). The
+    instance's method is replaced, not the class subclassed: Orbax records the handler's class in
+    every checkpoint, and any Orbax reader should still recognize it.
+    """
+    handler = ocp.StandardCheckpointHandler()
+    restore = handler.restore
+
+    def restore_or_failure(*args, **kwargs):
+        try:
+            return restore(*args, **kwargs)
+        except Exception as e:  # raised again by `_agree`, after the barrier
+            return _ReadFailure(e)
+
+    handler.restore = restore_or_failure
+    return handler
+
+
+def _agree(restored: Any) -> Any:
+    """The restored tree if every process could read its part; else raises on every process."""
+    failed = isinstance(restored, _ReadFailure)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.int32(failed))
+        if not failed and np.any(flags):
+            others = ", ".join(str(i) for i in np.flatnonzero(flags))
+            raise OSError(f"process {others} cannot read its part of it")
+    if failed:
+        raise restored.error
+    return restored
+
+
 class Checkpointer:
     """Saves and restores `TrainState`s in `directory`, keeping the newest `max_to_keep`.
 
     Steps are the checkpoint names: `directory/<step>/`. One run, one writer per directory. In a
     multi-process run every process makes a `Checkpointer` on the same (shared) directory and calls
-    `save` and `restore` alike: Orbax synchronizes them, process 0 writes, all of them read.
+    `save` and `restore` alike: Orbax synchronizes them. Process 0 writes host arrays and each
+    process the shards of a sharded state it holds; each reads what its target places on its
+    devices, and a checkpoint one process cannot read is skipped by all of them.
 
     Args:
         directory: where the checkpoints go; created if missing.
@@ -184,7 +244,7 @@ class Checkpointer:
         self.directory = os.path.abspath(os.fspath(directory))
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler()
+            self.directory, options=options, item_handlers=_handler()
         )
 
     def latest_step(self) -> int | None:
@@ -203,7 +263,8 @@ class Checkpointer:
 
         Args:
             step: the checkpoint's name, normally `int(state.step)`.
-            state: the host state: unreplicated (`jamp.parallel.unreplicate`), not pmapped.
+            state: the host state: unreplicated (`jamp.parallel.unreplicate`), not pmapped; or a
+                state on a mesh (`jamp.sharding.shard_state`), also one spanning several processes.
             wait: block until the checkpoint is on disk. With False only the copy of the arrays to
                 host memory blocks (so the caller may donate or delete them right after); errors of
                 the background write are raised by the next `save`, `wait_until_finished` or
@@ -218,9 +279,7 @@ class Checkpointer:
         """
         step = int(step)
         if jax.process_count() > 1:
-            # Orbax refuses arrays that live on one process's devices in a multi-process run; it
-            # writes host numpy arrays, which every process holds alike, from process 0 only.
-            state = jax.device_get(state)
+            state = jax.tree.map(_savable, state)
         self.wait_until_finished()  # an earlier async save's failure is reported as that
         latest = self.latest_step()
         if latest is not None and step <= latest:
@@ -271,6 +330,8 @@ class Checkpointer:
         Args:
             target: a state of the run being resumed, e.g. fresh from `TrainState.create` (host,
                 unreplicated); its values are not used, and leaves may be `jax.ShapeDtypeStruct`s.
+                The restored arrays have the target's shardings: `ShapeDtypeStruct`s with a
+                mesh's shardings restore straight onto the mesh, each process reading its shards.
             step: which checkpoint; None means the latest readable one: a damaged newer one is
                 skipped with a logged warning. An explicit step is never substituted.
             set_aside_damaged: once an older checkpoint has been restored, rename the damaged
@@ -356,7 +417,7 @@ class Checkpointer:
                     f"checkpoint at step {step} in {self.directory} does not match this model: "
                     f"{mismatch}; use another --workdir or the original config"
                 )
-        return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        return _agree(self._manager.restore(step, args=ocp.args.StandardRestore(abstract)))
 
     def close(self) -> None:
         """Waits for a pending save and releases Orbax's threads; raises CheckpointError."""
