@@ -103,13 +103,23 @@ def _placement(run, train_step_fn, eval_fn, state) -> _Placement:
     if run.parallelism == "sharded":
         mesh = run.mesh
         shardings = sharding.state_shardings(state, mesh)
+        # Several processes: each loaded only its slice of the global batch (see get_dataset).
+        process_local = jax.process_count() > 1
+
+        def place(s):
+            if _placed(s, shardings):  # restored from a checkpoint straight onto the mesh
+                return s
+            return sharding.shard_state(s, mesh)
+
         return _Placement(
-            place=lambda s: sharding.shard_state(s, mesh),
-            batch=lambda b: sharding.shard_batch(b, mesh),
+            place=place,
+            batch=lambda b: sharding.shard_batch(b, mesh, process_local=process_local),
             train_step=sharding.make_sharded_train_step(train_step_fn(None), mesh, shardings),
             eval_step=sharding.make_sharded_eval_step(eval_fn(None), mesh, shardings),
+            # Metrics come out replicated: every process reads them from its own devices, also
+            # where the arrays span other processes' devices (not fully addressable).
             fetch=lambda m: m,
-            host=lambda s: s,  # Orbax saves sharded arrays as they are
+            host=lambda s: s,  # Orbax saves sharded arrays as they are, each process its shards
         )
     return _Placement(
         place=parallel.replicate,
@@ -118,6 +128,26 @@ def _placement(run, train_step_fn, eval_fn, state) -> _Placement:
         eval_step=parallel.make_p_eval_step(eval_fn(parallel.AXIS_NAME)),
         fetch=parallel.unreplicate,
         host=parallel.unreplicate,
+    )
+
+
+def _placed(state, shardings) -> bool:
+    leaves, wanted = jax.tree.leaves(state), jax.tree.leaves(shardings)
+    return len(leaves) == len(wanted) and all(
+        isinstance(x, jax.Array) and x.sharding == w for x, w in zip(leaves, wanted)
+    )
+
+
+def _restore_target(run, state):
+    """What a checkpoint is restored into: under pmap the host state; sharded, the state's shapes
+    and dtypes with the mesh's shardings, so that each process reads only its own shards and the
+    restored state is on the mesh already (whichever parallelism wrote the checkpoint)."""
+    if run.parallelism != "sharded":
+        return state
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s),
+        state,
+        sharding.state_shardings(state, run.mesh),
     )
 
 
@@ -173,7 +203,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
     with Checkpointer(workdir / "checkpoints", max_to_keep=run.max_checkpoints_to_keep) as ckpt:
         if ckpt.latest_step() is not None:
             # CheckpointError if it belongs to another config; damaged newer ones are set aside
-            state = ckpt.restore(state, set_aside_damaged=True)
+            state = ckpt.restore(_restore_target(run, state), set_aside_damaged=True)
             print(f"resuming from the checkpoint at step {int(state.step)}", flush=True)
         start = int(state.step)
         primary = jax.process_index() == 0  # the others hold the same averaged metrics

@@ -192,11 +192,6 @@ def _mesh(config):
         )
     if config.parallelism == "pmap":
         return None
-    if jax.process_count() > 1:
-        raise ConfigError(
-            "parallelism=sharded runs in one process so far; use parallelism=pmap for a "
-            "multi-process run"
-        )
     try:
         mesh = sharding.make_mesh(config.mesh)
     except ValueError as e:
