@@ -9,14 +9,19 @@ differs in its last fp32 bit: after 12 Adam steps of 1e-3 the params differ by ~
 to 5e-5 in one output channel (see PARAM_ATOL).
 A real fault (a process reading the wrong slice, no averaging across processes) changes every
 update by the order of the learning rate.
+
+The sharded-jit path (`--config.parallelism=sharded`, state split over `fsdp=4`) is checked the
+same way, with its checkpoints: each process writes and reads only its own shards.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,7 +32,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from subproc import cli_env
+from subproc import cli_env, recipe_state
 
 from jamp import data as data_lib
 from jamp.data import pipeline
@@ -85,13 +90,16 @@ def _processes(workdir, num_processes, devices, *extra):
                 proc.communicate()
 
 
-def _wait(procs) -> list[str]:
-    """Waits for every process to succeed (within TIMEOUT in all); returns their stdouts."""
+def _wait(procs, stderrs=None) -> list[str]:
+    """Waits for every process to succeed (within TIMEOUT in all); returns their stdouts (and
+    appends their stderrs to `stderrs` if given)."""
     deadline, stdouts = time.monotonic() + TIMEOUT, []
     for i, proc in enumerate(procs):
         stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
         assert proc.returncode == 0, f"process {i} exited with {proc.returncode}:\n{stderr[-3000:]}"
         stdouts.append(stdout)
+        if stderrs is not None:
+            stderrs.append(stderr)
     return stdouts
 
 
@@ -109,8 +117,18 @@ def _train_one_process(workdir, devices, *extra):
 
 
 def _checkpoint(workdir, step):
+    return _read_checkpoint(workdir / "checkpoints" / str(step))
+
+
+def _read_checkpoint(path):
+    """The checkpoint's arrays on the host, whatever devices and processes wrote it."""
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     with ocp.StandardCheckpointer() as checkpointer:
-        tree = checkpointer.restore(workdir / "checkpoints" / str(step) / "default")
+        stored = checkpointer.metadata(path / "default").item_metadata.tree
+        target = jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), stored
+        )
+        tree = checkpointer.restore(path / "default", target)
     return jax.tree.map(np.asarray, tree)
 
 
@@ -211,3 +229,92 @@ def test_train_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
     assert "stopped by a signal to another process" in stdouts[0]
     steps = [int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()]
     assert len(steps) == 1 and steps[0] % 5 == 0 and steps[0] < 100000
+
+
+# The sharded-jit path as 2 processes x 2 devices against 1 process x 4, the state split over
+# fsdp=4. A loss scale above what fp16 gradients bear, growing every 2 steps, makes 6 of the 12
+# steps skip (JAX 0.10 and 0.12 alike): the skip decisions, one for all devices of all processes,
+# must agree too. Under policy=float32 the two runs' params agree to 2e-7; under fp16 the
+# partitioner's gathers and reductions (in whatever dtype it picks, see README) add in another
+# order across processes, and Adam turns that round-off of near-zero gradients into whole steps:
+# measured, the params differ by 9.4e-4 of the update (their change from init) in norm, by up to
+# 1.0e-3 in a weight. A process reading the wrong slice of the batch makes that ratio 0.70.
+SHARDED = ["--config.parallelism=sharded", "--config.mesh=fsdp=4"]
+SKIPPING = [
+    "--config.loss_scale_params.initial=16777216",
+    "--config.loss_scale_params.growth_interval=2",
+]
+SHARDED_RTOL = 1e-2  # of the update, in norm
+
+
+@dataclasses.dataclass
+class _ShardedRuns:
+    single: pathlib.Path  # 1 x 4, 12 steps
+    multi: pathlib.Path  # 2 x 2: 12 steps, then its step 12 damaged and the run resumed
+    intact: pathlib.Path  # the 2 x 2 run's step-12 checkpoint before the damage
+    first: list  # stdouts of the uninterrupted 2 x 2 run
+    resumed: list  # stdouts of the resumed one
+    resumed_stderr: list
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sharded")
+    single, multi, intact = root / "1x4", root / "2x2", root / "intact"
+    flags = [*SHARDED, *SKIPPING]
+    with _processes(multi, 2, 2, *flags) as procs:
+        _train_one_process(single, 4, *flags)  # meanwhile
+        first = _wait(procs)
+    last = multi / "checkpoints" / str(STEPS)
+    shutil.copytree(last, intact)
+    # Damage only what process 1 wrote, and alone reads back: its shards of step 12. Both
+    # processes must agree to fall back to step 6, or they would resume from different steps.
+    damaged = list(last.glob("default/ocdbt.process_1/d/*"))
+    assert damaged, sorted(p.name for p in last.rglob("*"))
+    for path in damaged:
+        path.write_bytes(path.read_bytes()[:100])
+    stderrs = []
+    with _processes(multi, 2, 2, *flags) as procs:
+        resumed = _wait(procs, stderrs)
+    return _ShardedRuns(single, multi, intact, first, resumed, stderrs)
+
+
+def test_sharded_two_processes_match_one_process_with_the_same_devices(sharded):
+    assert "sharded jit, mesh fsdp=4" in sharded.first[0]
+    assert "eval accuracy" not in sharded.first[1]  # process 0 reports
+    a, b = _checkpoint(sharded.single, STEPS), _read_checkpoint(sharded.intact)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for name in ("step", "skipped_steps", "loss_scale"):  # counters and powers of two: exact
+        for x, y in zip(jax.tree.leaves(a[name]), jax.tree.leaves(b[name])):
+            np.testing.assert_array_equal(x, y)
+    assert int(b["step"]) == STEPS and int(b["skipped_steps"]) > 0
+    start = recipe_state(sharded.single, {"image_shape": (8, 8, 1)}, recipe="synthetic").params
+    got, want, init = (
+        np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])
+        for t in (b["params"], a["params"], start)
+    )
+    assert np.linalg.norm(got - want) <= SHARDED_RTOL * np.linalg.norm(want - init)
+    single, multi = _records(sharded.single, "eval")[-1], _records(sharded.multi, "eval")[-1]
+    assert abs(multi["accuracy"] - single["accuracy"]) <= 0.01
+
+
+def test_sharded_two_process_checkpoint_resumes_on_both_processes(sharded):
+    # Step 12 was damaged in process 1's shards only: both processes went back to step 6, the
+    # damaged one was set aside, and the resumed run ends where the uninterrupted one did.
+    for stdout in sharded.resumed:
+        assert "resuming from the checkpoint at step 6" in stdout
+    assert "process 1 cannot read its part" in sharded.resumed_stderr[0]
+    assert (sharded.multi / "checkpoints" / f"{STEPS}.corrupt").is_dir()
+    a, b = _read_checkpoint(sharded.intact), _checkpoint(sharded.multi, STEPS)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(y, x, strict=True)
+
+
+def test_sharded_mesh_for_other_devices_is_one_line_on_every_process(tmp_path):
+    with _processes(tmp_path / "run", 2, 2, *SHARDED, "--config.mesh=fsdp=8") as procs:
+        outs = [proc.communicate(timeout=TIMEOUT) for proc in procs]
+    for proc, (_, stderr) in zip(procs, outs):
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert proc.returncode == 2 and len(lines) == 1, lines
+        assert "mesh 'fsdp=8' needs 8 devices; there are 4 (cpu x4 over 2 process(es))" in lines[0]
+    assert not (tmp_path / "run").exists()
