@@ -27,7 +27,7 @@ from jamp.metrics import MetricWriter, mean_metrics, peak_memory_mib, summary_ta
 from jamp.models import get_model
 from jamp.optim import make_optimizer
 from jamp.overflow_watch import OverflowWatch, TrainingDiverged, advice
-from jamp.precision import describe
+from jamp.precision import describe, reduce_dtype
 from jamp.run_config import (  # noqa: F401 (ConfigError and parse_config are loop's API too)
     ConfigError,
     RunConfig,
@@ -224,6 +224,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
 def _train(
     run, task, model, tx, schedule, state, start, dataset, checkpointer, writer, stop, t_begin
 ):
+    reduce = reduce_dtype(run.policy)  # under pmap, the step averages in it; sharded, wrap sums
+
     def train_step_fn(axis_name):
         return make_train_step(
             tasks.make_loss_fn(model, task),
@@ -231,6 +233,7 @@ def _train(
             axis_name=axis_name,
             accumulation_steps=run.accumulation_steps,
             max_grad_norm=run.max_grad_norm,
+            reduce_dtype=None if reduce == np.float32 else reduce,
         )
 
     def eval_fn(axis_name):
