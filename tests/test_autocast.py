@@ -99,6 +99,27 @@ def test_autocast_rewrites_matmuls_inside_shard_map_forward_and_backward():
     assert all(np.dtype(v.aval.dtype) == BF16 for e in dots for v in e.invars)
 
 
+@pytest.mark.parametrize("activations", ["float32", "compute"])
+def test_autocast_collectives_inside_shard_map_sum_in_float32(activations):
+    """A psum in a model's own shard_map is a reduction: it stays float32, forward and backward,
+    also where the activations between matmuls are carried in 16 bits."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+
+    def loss(x, w):
+        f = jax.shard_map(
+            lambda a, b: jax.lax.psum(a @ b, "d"), mesh=mesh, in_specs=(P("d"), P()), out_specs=P()
+        )
+        return jnp.sum(f(x, w) ** 2)
+
+    x, w = jnp.ones((8, 4)), jnp.ones((4, 4))
+    grad = jax.grad(autocast(loss, jnp.bfloat16, activations=activations), argnums=(0, 1))
+    eqns = list(_eqns(jax.make_jaxpr(grad)(x, w).jaxpr))
+    sums = [e for e in eqns if e.primitive.name.startswith("psum")]
+    dots = [e for e in eqns if e.primitive.name == "dot_general"]
+    assert sums and all(np.dtype(v.aval.dtype) == F32 for e in sums for v in e.invars)
+    assert dots and all(np.dtype(v.aval.dtype) == BF16 for e in dots for v in e.invars)
+
+
 # A higher-order primitive that jamp has never heard of: it calls a closed jaxpr.
 _unknown_p = jcore.Primitive("jamp_test_unknown_call")
 _unknown_p.multiple_results = True
