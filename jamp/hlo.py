@@ -86,13 +86,26 @@ class Collective:
 def partitioned_hlo(jitted, *args, **kwargs) -> str:
     """The HLO text of `jitted(*args, **kwargs)` right after XLA's SPMD partitioning.
 
-    Compiles the program once more (nothing is run), with XLA dumping that one pass.
+    Compiles the program once more (nothing is run), with XLA dumping that one pass; JAX's
+    persistent compilation cache is off meanwhile, since an executable it served would not be
+    compiled, and so not dumped.
     """
+    import jax  # here: reading a program's text needs jax only when a program is compiled
+    from jax.experimental.compilation_cache import compilation_cache
+
     lowered = jitted.lower(*args, **kwargs)
+    cached = jax.config.jax_enable_compilation_cache
     with tempfile.TemporaryDirectory() as where:
-        lowered.compile(
-            compiler_options={"xla_dump_to": where, "xla_dump_hlo_pass_re": "spmd-partitioning"}
-        )
+        # The cache decides once whether it is in use; reset, it decides again at the next compile.
+        jax.config.update("jax_enable_compilation_cache", False)
+        compilation_cache.reset_cache()
+        try:
+            lowered.compile(
+                compiler_options={"xla_dump_to": where, "xla_dump_hlo_pass_re": "spmd-partitioning"}
+            )
+        finally:
+            jax.config.update("jax_enable_compilation_cache", cached)
+            compilation_cache.reset_cache()
         found = sorted(glob.glob(os.path.join(where, "*after_spmd-partitioning*.txt")))
         if not found:
             raise RuntimeError(
