@@ -45,9 +45,12 @@ from jamp import activations as act
 from jamp import jax_compat, mixed_ops
 
 ComputeFor = Callable[[jcore.JaxprEqn, Optional[np.dtype]], Optional[np.dtype]]
-#: `(key_path, shape) -> sharding or None`: where a leaf of a weak argument (a model's variables)
-#: lives on a mesh; `key_path` is the leaf's `jax.tree_util` key path within its argument.
-PlacementFor = Callable[[tuple, tuple], Optional[jax.sharding.Sharding]]
+#: `(key_path, shape) -> (sharding, gathered) or None`: where a leaf of a weak argument (a
+#: model's variables) lives on a mesh, and where a matmul reads it (None: where XLA picks);
+#: `key_path` is the leaf's `jax.tree_util` key path within its argument.
+PlacementFor = Callable[
+    [tuple, tuple], Optional[tuple[jax.sharding.Sharding, Optional[jax.sharding.Sharding]]]
+]
 
 _PLACEMENT: contextvars.ContextVar[Optional[PlacementFor]] = contextvars.ContextVar(
     "jamp_autocast_placement", default=None
@@ -58,8 +61,9 @@ _PLACEMENT: contextvars.ContextVar[Optional[PlacementFor]] = contextvars.Context
 def placing(placement_for: PlacementFor):
     """While a function is traced in this context, `autocast` treats the weak-argument leaves that
     `placement_for` places as sharded parameters: each matmul casts them to the compute dtype on
-    their own shard, so that the gather XLA inserts moves 16-bit values, and hands their gradients
-    back in the reduce dtype, constrained to the same sharding (see `jamp.mixed_ops.Placed`).
+    their own shard and reads them gathered as `placement_for` says, so the gather moves 16-bit
+    values (once, for forward and backward), and hands their gradients back in the reduce dtype,
+    constrained to the same sharding (see `jamp.mixed_ops.Placed`).
     Values are unchanged: shardings only say where they live. `jamp.sharding`'s steps set it."""
     token = _PLACEMENT.set(placement_for)
     try:
@@ -168,12 +172,17 @@ def _follow_placement(eqn, placed):
     if name == "convert_element_type" and _is_float_dtype(eqn.outvars[0].aval.dtype):
         return p
     if name == "transpose":
-        spec = tuple(p.sharding.spec) + (None,) * (eqn.invars[0].aval.ndim - len(p.sharding.spec))
-        perm = jax_compat.param(eqn, "permutation")
-        sharding = jax.sharding.NamedSharding(
-            p.sharding.mesh, jax.sharding.PartitionSpec(*(spec[d] for d in perm))
-        )
-        return dataclasses.replace(p, sharding=sharding)
+        perm, ndim = jax_compat.param(eqn, "permutation"), eqn.invars[0].aval.ndim
+
+        def permuted(sharding):
+            if not isinstance(sharding, jax.sharding.NamedSharding):
+                return None
+            spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+            return jax.sharding.NamedSharding(
+                sharding.mesh, jax.sharding.PartitionSpec(*(spec[d] for d in perm))
+            )
+
+        return dataclasses.replace(p, sharding=permuted(p.sharding), gathered=permuted(p.gathered))
     return None
 
 
@@ -563,7 +572,8 @@ def autocast(
                     for j, (path, leaf) in enumerate(flat, offset):
                         where = placement_for(tuple(path), tuple(np.shape(leaf)))
                         if where is not None:
-                            placed_leaves[j] = mixed_ops.Placed(where, reduce_dtype)
+                            lives, read = where
+                            placed_leaves[j] = mixed_ops.Placed(lives, reduce_dtype, read)
             offset += len(flat)
 
         def flat_fn(*arrays):

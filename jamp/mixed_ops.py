@@ -35,18 +35,26 @@ class Placed:
 
     The operand is cast to the compute dtype on its own shard, so that whatever gathers it moves
     16-bit values (XLA's partitioner, left alone, gathers the float32 parameter and casts after);
-    its gradient leaves the matmul in `reduce_dtype` (the GEMM still accumulates in float32),
-    which is the dtype XLA sums it across devices in, and is constrained back to `sharding`, so
-    that the sum is a reduce-scatter into the parameter's own shards.
+    with `gathered` (its sharding with the FSDP axis dropped) the 16-bit copy is gathered there
+    once, and that copy serves the backward pass too (left to XLA it is gathered again). Its
+    gradient leaves the matmul in `reduce_dtype` (the GEMM still accumulates in float32), which
+    is the dtype XLA sums it across devices in, and is constrained back to `sharding`, so that
+    the sum lands in the parameter's own shards.
     """
 
     sharding: jax.sharding.Sharding
     reduce_dtype: np.dtype = _ACC
+    gathered: Optional[jax.sharding.Sharding] = None
 
 
 def _to_compute(x, dtype, placed: Optional[Placed]):
     x = x.astype(dtype)
-    return x if placed is None else lax.with_sharding_constraint(x, placed.sharding)
+    if placed is None:
+        return x
+    x = lax.with_sharding_constraint(x, placed.sharding)
+    if placed.gathered is not None:
+        x = lax.with_sharding_constraint(x, placed.gathered)
+    return x
 
 
 def _grad_acc(placed: Optional[Placed]) -> np.dtype:

@@ -215,7 +215,15 @@ class _ParamPlacement:
         if len(found) != 1:
             return None  # unknown, or ambiguous: leave the layout to XLA
         (sharding,) = found
-        return None if sharding.is_fully_replicated else sharding
+        if sharding.is_fully_replicated:
+            return None
+        # Read by matmuls gathered over fsdp (a tensor-parallel split stays): one 16-bit gather
+        # that the backward pass reuses.
+        spec = [None if e == "fsdp" else e for e in sharding.spec]
+        spec = [
+            tuple(a for a in e if a != "fsdp") or None if isinstance(e, tuple) else e for e in spec
+        ]
+        return sharding, NamedSharding(sharding.mesh, P(*spec))
 
 
 def _placing_params(fn, state_sharding):

@@ -135,10 +135,14 @@ def test_sharding_policy_decides_what_crosses_the_wire(policy, gathered, reduced
     ]
     kernels = [k for k in jax.tree_util.tree_flatten_with_path(state.params)[0]]
     kernels = [leaf for path, leaf in kernels if "kernel" in str(path[-1])]
-    # Each of the 13 matmul weights (12 kernels and the tied output head) is gathered at least
-    # for the forward and its gradient reduced once, over fsdp and over data.
-    assert len(weights) >= len(kernels) + 1 and len(grads) >= len(kernels) + 1
+    # Each of the 13 matmul weights (12 kernels and the tied output head) is gathered once, in
+    # the compute dtype, for the forward and the backward (half the bytes of float32), and its
+    # gradient reduced once, over fsdp and over data.
+    assert len(weights) == len(kernels) + 1 and len(grads) >= len(kernels) + 1
     assert {c.dtype for c in weights} == {gathered}
+    itemsize = np.dtype({"f32": np.float32, "bf16": jnp.bfloat16, "f16": np.float16}[gathered])
+    sizes = [x.size for x in kernels] + [state.params["Embed_0"]["embedding"].size]
+    assert sum(c.nbytes for c in weights) == sum(sizes) * itemsize.itemsize
     assert {c.dtype for c in grads} == {reduced}
     # What else is gathered is what the model reads outside matmuls, in float32 on this CPU:
     # biases, norm scales, the embedding table for its row lookup; no kernel among them.
