@@ -39,7 +39,7 @@ def _fsdp_spec(shape: tuple[int, ...], fsdp: int, taken=()) -> tuple[P, Optional
 
     `taken` is the spec a rule gave (one entry per dimension): only its free dimensions split."""
     base = list(taken) + [None] * (len(shape) - len(taken))
-    if fsdp == 1 or any("fsdp" in _names(e) for e in base):
+    if fsdp == 1 or any("fsdp" in axis_names(e) for e in base):
         return _spec(base), None if any(base) else "no fsdp axis"
     if not shape:
         return P(), "a scalar"
@@ -60,7 +60,7 @@ def _spec(entries) -> P:
     return P(*entries)
 
 
-def _names(entry: AxisSpec) -> tuple[str, ...]:
+def axis_names(entry: AxisSpec) -> tuple[str, ...]:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
@@ -72,13 +72,13 @@ def _rule_spec(path: str, shape: tuple[int, ...], spec, mesh: Mesh) -> list:
     spec = list(spec)
     if len(spec) > len(shape):
         raise ValueError(f"rule for {path}: spec {tuple(spec)} has more entries than {shape}")
-    used = [a for entry in spec for a in _names(entry)]
+    used = [a for entry in spec for a in axis_names(entry)]
     twice = sorted({a for a in used if used.count(a) > 1})
     if twice:
         raise ValueError(f"rule for {path}: axis {twice[0]!r} appears twice in {tuple(spec)}")
     out = []
     for d, entry in enumerate(spec):
-        names = _names(entry)
+        names = axis_names(entry)
         bad = [a for a in names if a not in AXES]
         if bad:
             raise ValueError(
@@ -180,7 +180,7 @@ def state_plan(state, mesh: Mesh, rules: Optional[Rules] = None):
 
 def _spec_text(spec: P) -> str:
     order = {a: i for i, a in enumerate(AXES)}
-    axes = sorted({a for e in spec for a in _names(e)}, key=lambda a: order.get(a, len(AXES)))
+    axes = sorted({a for e in spec for a in axis_names(e)}, key=lambda a: order.get(a, len(AXES)))
     return f"split over {','.join(axes)}" if axes else "replicated"
 
 

@@ -219,9 +219,8 @@ class _ParamPlacement:
             return None
         # Read by matmuls gathered over fsdp (a tensor-parallel split stays): one 16-bit gather
         # that the backward pass reuses.
-        spec = [None if e == "fsdp" else e for e in sharding.spec]
         spec = [
-            tuple(a for a in e if a != "fsdp") or None if isinstance(e, tuple) else e for e in spec
+            tuple(a for a in placement.axis_names(e) if a != "fsdp") or None for e in sharding.spec
         ]
         return sharding, NamedSharding(sharding.mesh, P(*spec))
 
