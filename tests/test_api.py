@@ -37,6 +37,7 @@ RANK = {
     "mixed_ops": 0,
     "activations": 0,
     "hlo": 0,
+    "hardware": 0,
     "loss_scale": 1,
     "autocast": 1,
     "wrap": 2,
@@ -53,6 +54,7 @@ RANK = {
     "overflow_watch": 4,
     "tasks": 4,
     "run_config": 5,
+    "inspect": 5,  # library: see test_api_inspect_imports_no_training_program
     "loop": 6,
     "train": 7,
 }
@@ -116,6 +118,21 @@ def test_api_imports_point_downward_only():
             allowed = CONFINED.get(parts[0])
             if allowed is not None and me not in allowed:
                 problems.append(f"{path.name} imports {name} (only {sorted(allowed)} may)")
+    assert not problems, problems
+
+
+def test_api_inspect_imports_no_training_program():
+    # jamp.inspect is library (any project may use it); only its command line reads configs.
+    program = {"data", "checkpoint", "metrics", "optim", "overflow_watch", "tasks", "run_config"}
+    program |= {"loop", "train", "models"}
+    problems = []
+    for path in sorted((JAMP / "inspect").rglob("*.py")):
+        if path.name == "__main__.py":
+            continue
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[0] == "jamp" and len(parts) > 1 and parts[1] in program:
+                problems.append(f"inspect/{path.name} imports {name}")
     assert not problems, problems
 
 
