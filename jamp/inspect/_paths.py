@@ -1,0 +1,214 @@
+"""Module paths from JAX name stacks: which Flax module an equation (or an HLO op) belongs to.
+
+Flax linen wraps every module method call in `jax.named_scope` (the module's name, or its class
+name for a root module; `name.method` for a method other than `__call__`), so each jaxpr
+equation's `source_info.name_stack` says where it came from, and XLA copies it into every HLO
+instruction's `op_name`. Around those names sit what JAX and jamp add:
+
+* transforms wrap the first name inside them: `jvp(Wrapped.apply)/TransformerLM/Dense_0` is the
+  forward of a differentiated call, `transpose(jvp(Wrapped.apply))/...` its backward,
+  `vmap(Dense_0)` a vmapped module; HLO op names start with `jit(step)/jit(main)/`;
+* `jamp.wrap` tags the calls of overridden submodules (normalization layers included) with a
+  `jamp_policy_<i>_` scope, and `jamp.autocast` names an equation that had no name `_`;
+* names that are no module: `jnp.einsum`'s spec, `rematted_computation`, user scopes.
+
+`module_path` strips all of that down to the path Flax gives the module in the variables tree
+("DecoderBlock_0/Dense_0"; "" outside any module). It is exact for a trace recorded with
+`ModuleCalls`, which notes every module call's scope name; without one it keeps every name that
+looks like a module's and drops what `jamp.wrap` put above the model.
+
+Example::
+
+  calls = ModuleCalls()
+  with calls.recording():
+      jaxpr = jax.make_jaxpr(loss)(params)
+  for eqn in jaxpr.eqns:
+      print(module_path(str(eqn.source_info.name_stack), calls),
+            is_backward(str(eqn.source_info.name_stack)))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from typing import Optional
+
+import flax.linen as nn
+
+#: The scope `jamp.wrap` puts around an overridden submodule's call (see `jamp.wrap._policy_tag`).
+_TAG = re.compile(r"^jamp_policy_(\d+)_$")
+# What `jamp.wrap` calls the user's model from: `Wrapped.apply`, `Wrapped.init`, ...
+_WRAPPED = re.compile(r"^Wrapped\.\w+$")
+# A module's scope name: an identifier, perhaps with `.method`.
+_MODULE_LIKE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_<>]\w*>?)?$")
+# Transforms whose argument is a function's name, not a scope of the program.
+_FUNCTION_TRANSFORMS = frozenset({"jit", "pjit"})
+# Scopes JAX itself opens inside a program.
+_JAX_NAMES = frozenset({"rematted_computation"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Name:
+    """One name of a name stack, with the transforms around it (innermost first)."""
+
+    text: str
+    transforms: tuple[str, ...] = ()
+
+
+def _split_top(text: str) -> list[str]:
+    """`text` split at the slashes outside parentheses."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif ch == "/" and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p for p in parts if p]
+
+
+def names(name_stack: str) -> list[Name]:
+    """The names of a name stack, transforms peeled off: `transpose(jvp(A))/B` -> A (under
+    transpose and jvp), B. A scope name that itself holds slashes (`jamp.autocast` re-enters an
+    equation's whole name stack as one scope) is split too."""
+    out: list[Name] = []
+    for part in _split_top(name_stack):
+        transforms = []
+        while part.endswith(")") and "(" in part:
+            head, inner = part.split("(", 1)
+            if not re.fullmatch(r"\w+", head):
+                break
+            transforms.append(head)
+            part = inner[:-1]
+        around = tuple(reversed(transforms))  # innermost first
+        if "/" in part:  # a wrapped scope that holds a whole stack
+            for inner in names(part):
+                out.append(Name(inner.text, inner.transforms + around))
+        elif part:
+            out.append(Name(part, around))
+    return out
+
+
+def is_backward(name_stack: str) -> bool:
+    """Whether an equation belongs to a backward pass (it ran under JAX's `transpose`)."""
+    return "transpose(" in name_stack
+
+
+def policy_tag(name_stack: str) -> Optional[int]:
+    """The index (into `jamp.wrap`'s overrides) of the innermost policy tag, if any."""
+    found = None
+    for name in names(name_stack):
+        m = _TAG.match(name.text)
+        if m:
+            found = int(m.group(1))
+    return found
+
+
+class ModuleCalls:
+    """Records, while a function is traced, the scope names that Flax module calls leave.
+
+    Also keeps the `jamp.wrap`ped modules it saw (`wrapped`), whose overrides say which policy
+    each tag index stands for, and the class of each module by path (`classes`).
+    """
+
+    def __init__(self):
+        self.modules: set[str] = set()  # scope names of submodules, without ".method"
+        self.roots: set[str] = set()  # scope names of root modules, "Class" or "Class.method"
+        self.classes: dict[str, type] = {}  # module path -> class
+        self.wrapped: list[nn.Module] = []
+        self._stack: list[str] = []
+
+    def _interceptor(self, next_fun, args, kwargs, context):
+        module, method = context.module, context.method_name
+        scope = module.name or type(module).__name__
+        label = scope if method == "__call__" else f"{scope}.{method}"
+        if module.name is None:  # a root (or jamp's Wrapped, which is never bound)
+            self.roots.add(label)
+            if type(module).__name__ == "Wrapped" and hasattr(module, "overrides"):
+                if not any(w is module for w in self.wrapped):
+                    self.wrapped.append(module)
+            path: list[str] = []
+        elif self._stack and self._stack[-1] == scope:
+            path = list(self._stack)  # its own method, or a lifted transform's inner module
+        else:
+            self.modules.add(scope)
+            path = self._stack + [scope]
+        if type(module).__name__ != "Wrapped":
+            self.classes.setdefault("/".join(path), type(module))
+        saved, self._stack = self._stack, path
+        try:
+            return next_fun(*args, **kwargs)
+        finally:
+            self._stack = saved
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Record module calls made (by any tracing) inside this context."""
+        with nn.intercept_methods(self._interceptor):
+            yield self
+
+
+def _is_root(text: str, calls: Optional[ModuleCalls]) -> bool:
+    if calls is not None:
+        return text in calls.roots or _WRAPPED.match(text) is not None
+    return _WRAPPED.match(text) is not None
+
+
+def module_path(name_stack: str, calls: Optional[ModuleCalls] = None) -> str:
+    """The Flax module path of an equation with this name stack ("" outside any module).
+
+    Args:
+      name_stack: `str(eqn.source_info.name_stack)`, or an HLO op name without its last
+        component (the primitive; see `op_name_path`).
+      calls: the module calls recorded while the program was traced; without them every name
+        that looks like a module's is kept.
+
+    Example::
+
+      module_path("transpose(jvp(Wrapped.apply))/TransformerLM/Embed_0.attend")  # "Embed_0"
+    """
+    items = [
+        n
+        for n in names(name_stack)
+        if not _TAG.match(n.text)
+        and n.text != "_"
+        and not _FUNCTION_TRANSFORMS.intersection(n.transforms)
+    ]
+    texts = [n.text for n in items]
+    # Everything up to the innermost root belongs to the caller: jamp's Wrapped, the root
+    # module's own scope (its class name), a root method ("Model.encode").
+    start = 0
+    for i, text in enumerate(texts):
+        if _is_root(text, calls):
+            start = i + 1
+            if calls is None and _WRAPPED.match(text) and i + 1 < len(texts):
+                start = i + 2  # the wrapped model's class name follows Wrapped's scope
+    path: list[str] = []
+    previous = texts[start - 1].partition(".")[0] if start else None
+    for text in texts[start:]:
+        if not _MODULE_LIKE.match(text) or text in _JAX_NAMES:
+            continue  # an einsum spec, a name JAX added
+        scope, _, method = text.partition(".")
+        if calls is not None and scope not in calls.modules:
+            continue  # a user's own scope
+        if not (method and scope == previous):  # else: a module calling a method of its own
+            path.append(scope)
+        previous = scope
+    return "/".join(path)
+
+
+def op_name_path(op_name: str, calls: Optional[ModuleCalls] = None) -> tuple[str, bool]:
+    """(module path, whether backward) of an HLO instruction's `op_name` metadata.
+
+    Example::
+
+      op_name_path("jit(step)/jit(main)/transpose(jvp(Wrapped.apply))/Model/Dense_0/dot_general")
+      # ("Dense_0", True)
+    """
+    parts = _split_top(op_name)
+    stack = "/".join(parts[:-1])  # the last name is the primitive
+    return module_path(stack, calls), is_backward(stack)
