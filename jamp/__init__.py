@@ -5,7 +5,7 @@ The public API, all documented in the README:
 * policies: `get_policy`, `describe_policy`, `PRESETS`;
 * wrapping: `wrap`, `FP32_MODULES`, `UnsupportedProgramError`;
 * loss scales: `NoOpLossScale`, `StaticLossScale`, `DynamicLossScale`, `loss_scale_for`,
-  `all_finite`, `select_tree`;
+  `all_finite`, `finite_by_group`, `select_tree`;
 * training: `TrainState`, `make_train_step`, `make_eval_step`;
 * data parallelism: the `jamp.parallel` module (`replicate`, `unreplicate`, `shard`,
   `make_p_train_step`, `make_p_eval_step`);
@@ -21,6 +21,7 @@ from jamp.loss_scale import (
     NoOpLossScale,
     StaticLossScale,
     all_finite,
+    finite_by_group,
     loss_scale_for,
     select_tree,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "UnsupportedProgramError",
     "all_finite",
     "describe_policy",
+    "finite_by_group",
     "get_policy",
     "loss_scale_for",
     "make_eval_step",

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jamp.loss_scale import all_finite, select_tree
+from jamp.loss_scale import all_finite, finite_by_group, select_tree
 from jamp.state import TrainState
 
 PyTree = Any
@@ -142,6 +142,7 @@ def make_train_step(
     accumulation_steps: int = 1,
     max_grad_norm: float | None = None,
     reduce_dtype=None,
+    attribution_depth: int = 1,
 ) -> Callable[[TrainState, PyTree, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds a pure mixed-precision train step.
 
@@ -157,12 +158,17 @@ def make_train_step(
       reduce_dtype: with `axis_name`, the dtype gradients are averaged across replicas in (a
         policy's, `jamp.precision.reduce_dtype`); None: their own (float32). Under
         `jamp.sharding` the wrapped model's matmuls decide it instead.
+      attribution_depth: how deep the per-module finite flags go (`jamp.finite_by_group`): 1
+        gives one flag per top-level module of the params tree; 0 a single flag and no
+        "grads_finite_by_module" metric.
 
     Returns:
       `train_step(state, batch, rng) -> (new_state, metrics)`, where `rng` is one base key for the
       whole run (the step folds in the step number and replica index) and `metrics` holds "loss"
       (unscaled, fp32), "grad_norm" (of the unscaled gradients, before clipping), "loss_scale"
-      (after adjusting), "grads_finite" (bool), "skipped_steps" (int32) and the loss_fn metrics
+      (after adjusting), "grads_finite" (bool), "skipped_steps" (int32),
+      "grads_finite_by_module" (`{module path: bool}`, the averaged gradients' finiteness per
+      group of params: on a skipped step, the modules that overflowed) and the loss_fn metrics
       (fp32, averaged over microbatches and replicas; the names above win on a clash).
 
     Example:
@@ -178,6 +184,8 @@ def make_train_step(
         raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}.")
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}.")
+    if not isinstance(attribution_depth, int) or attribution_depth < 0:
+        raise ValueError(f"attribution_depth must be an int >= 0, got {attribution_depth!r}.")
 
     def train_step(state: TrainState, batch: PyTree, rng: jax.Array):
         # Callers pass one base key; folding in the step gives fresh dropout every step ...
@@ -204,7 +212,14 @@ def make_train_step(
             )
             grads = jax.tree.map(lambda g, p: g.astype(jnp.asarray(p).dtype), grads, state.params)
         grads = loss_scale.unscale(grads)  # the scale of step 2, not the adjusted one
-        finite = all_finite(grads)
+        # One flag per module instead of one in all: the same per-leaf reductions, and on a
+        # skipped step it says where the overflow was (averaged already: agreed by replicas).
+        finite_by_module = finite_by_group(grads, attribution_depth) if attribution_depth else {}
+        finite = (
+            jnp.all(jnp.stack([jnp.bool_(True), *finite_by_module.values()]))
+            if attribution_depth
+            else all_finite(grads)
+        )
         grad_norm = optax.tree.norm(grads)
         if max_grad_norm is not None:  # a threshold in true gradient units, so clip unscaled
             grads = _clip_by_global_norm(grads, grad_norm, max_grad_norm)
@@ -237,6 +252,8 @@ def make_train_step(
             "grads_finite": finite,
             "skipped_steps": skipped_steps,
         }
+        if attribution_depth:
+            metrics["grads_finite_by_module"] = finite_by_module
         return new_state, metrics
 
     # Lets jamp.parallel refuse to pmap a step that would not average across replicas.

@@ -20,6 +20,7 @@ PUBLIC = {
     "UnsupportedProgramError",
     "all_finite",
     "describe_policy",
+    "finite_by_group",
     "get_policy",
     "loss_scale_for",
     "make_eval_step",
@@ -37,7 +38,7 @@ RANK = {
     "mixed_ops": 0,
     "activations": 0,
     "hlo": 0,
-    "hardware": 0,
+    "hardware": -1,  # below precision and mixed_ops, which ask it what the device runs
     "loss_scale": 1,
     "autocast": 1,
     "wrap": 2,

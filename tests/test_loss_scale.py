@@ -14,6 +14,7 @@ from jamp.loss_scale import (
     NoOpLossScale,
     StaticLossScale,
     all_finite,
+    finite_by_group,
     loss_scale_for,
     select_tree,
 )
@@ -488,3 +489,29 @@ def test_static_constructor_validates():
     for bad in (0.0, -1.0, math.inf):
         with pytest.raises(ValueError, match="loss_scale"):
             StaticLossScale(bad)
+
+
+def test_finite_by_group_flags_each_top_level_module():
+    tree = {
+        "Dense_0": {"kernel": jnp.ones((2, 2)), "bias": jnp.zeros(2)},
+        "Block_1": {"Dense_0": {"kernel": jnp.array([[1.0, jnp.nan]])}},
+        "steps": jnp.int32(3),  # not floating: no flag of its own
+    }
+    flags = jax.jit(finite_by_group)(tree)
+    assert {k: bool(v) for k, v in flags.items()} == {"Dense_0": True, "Block_1": False}
+    assert bool(all_finite(tree)) == all(bool(v) for v in flags.values())
+    deeper = finite_by_group(tree, depth=2)
+    # A level with one child does not count: Block_1 holds only Dense_0.
+    assert set(deeper) == {"Dense_0/kernel", "Dense_0/bias", "Block_1/Dense_0/kernel"}
+
+
+def test_finite_by_group_skips_levels_that_do_not_branch():
+    # Hugging Face's Flax models keep everything under one "transformer": that is no grouping.
+    tree = {"transformer": {"h": {"0": jnp.ones(1), "1": jnp.array([jnp.inf])}, "ln": jnp.ones(1)}}
+    assert {k: bool(v) for k, v in finite_by_group(tree).items()} == {
+        "transformer/h": False,
+        "transformer/ln": True,
+    }
+    assert finite_by_group({}) == {}
+    with pytest.raises(ValueError, match="depth"):
+        finite_by_group(tree, depth=0)

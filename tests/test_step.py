@@ -1,5 +1,6 @@
 """Tests for jamp.step: the mixed-precision train step, accumulation, skipping, and the eval step."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,6 +139,7 @@ def test_train_step_metrics():
         "loss_scale",
         "grads_finite",
         "skipped_steps",
+        "grads_finite_by_module",
     }
     for name in ("loss", "mse", "grad_norm", "loss_scale"):
         assert metrics[name].dtype == jnp.float32
@@ -280,3 +282,67 @@ def test_eval_step():
         metrics["mse"], eval_fn(state.params, state.model_state, batch)["mse"], rtol=1e-6
     )
     assert metrics["count"].dtype == jnp.float32 and float(metrics["count"]) == 16.0
+
+
+class Loud(nn.Module):
+    """A zero-initialised Dense whose output is multiplied by `gain`: it adds nothing to the
+    forward pass, but its own gradients are `gain` times larger."""
+
+    gain: float
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1, kernel_init=nn.initializers.zeros)(x) * self.gain
+
+
+class TwoHeads(nn.Module):
+    """`quiet` and `loud` read the same input and add up: an overflow in one stays there."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1, name="quiet")(x) + Loud(1e35, name="loud")(x)
+
+
+def test_train_step_names_the_modules_whose_grads_overflowed():
+    model, batch = TwoHeads(), make_batch()
+    # 1e35 x 2**15 overflows float32 in loud's gradients only.
+    state, (metrics,) = run(model, optax.sgd(0.1), [batch], loss_scale=StaticLossScale(2.0**15))
+    flags = {name: bool(v) for name, v in metrics["grads_finite_by_module"].items()}
+    assert flags == {"quiet": True, "loud": False}
+    assert not bool(metrics["grads_finite"])
+    assert int(state.skipped_steps) == 1
+    # Finite everywhere: every flag True, and the same flags whatever the scale.
+    _, (healthy,) = run(MLP(), optax.sgd(0.1), [batch], loss_scale=StaticLossScale(2.0**15))
+    healthy_flags = {k: bool(v) for k, v in healthy["grads_finite_by_module"].items()}
+    assert healthy_flags == {"Dense_0": True, "Dense_1": True}
+
+
+def test_train_step_attribution_is_agreed_across_replicas():
+    # The flags come from the averaged grads: the same on every replica even when the inf came
+    # from one replica's shard of the batch.
+    from jamp import parallel
+
+    n = jax.local_device_count()
+    batch = poison(make_batch(size=4 * n), row=0)  # the inf lands on replica 0 only
+    model = MLP()
+    tx = optax.sgd(0.1)
+    state = parallel.replicate(make_state(model, tx))
+    step = parallel.make_p_train_step(
+        make_train_step(make_loss_fn(model), tx, axis_name=parallel.AXIS_NAME)
+    )
+    _, metrics = step(state, parallel.shard(batch), KEY)
+    for name, flags in metrics["grads_finite_by_module"].items():
+        assert np.asarray(flags).shape == (n,)
+        assert not np.asarray(flags).any(), name
+
+
+def test_train_step_attribution_depth_zero_is_the_single_flag():
+    batch = make_batch()
+    model = TwoHeads()
+    state, (metrics,) = run(
+        model, optax.sgd(0.1), [batch], StaticLossScale(2.0**15), attribution_depth=0
+    )
+    assert "grads_finite_by_module" not in metrics
+    assert not bool(metrics["grads_finite"]) and int(state.skipped_steps) == 1
+    with pytest.raises(ValueError, match="attribution_depth"):
+        make_train_step(make_loss_fn(MLP()), optax.sgd(0.1), attribution_depth=-1)
