@@ -43,6 +43,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     # rides out a short stretch of bad batches yet wastes little; it is checked at log points.
     c.on_persistent_overflow = "stop"  # stop (exit status 3) | warn (a line on stderr, go on)
     c.persistent_overflow_steps = 100
+    # On a skipped step, re-run its batch forward with every module's output checked and log the
+    # first module whose output was non-finite (the step itself already logs which modules'
+    # gradients were). Off by default: it waits for the device after every step.
+    c.trace_nonfinite = False
 
     # pmap (jamp.parallel: every device holds the whole state) | sharded (jit on a device mesh,
     # the state split over its fsdp axis: jamp.sharding); mesh: the sharded run's axis sizes over

@@ -23,10 +23,11 @@ from jax.experimental import multihost_utils
 from jamp import data as data_lib
 from jamp import parallel, sharding, tasks
 from jamp.checkpoint import Checkpointer
+from jamp.inspect.overflow import forward_nonfinite
 from jamp.metrics import MetricWriter, mean_metrics, peak_memory_mib, summary_table
 from jamp.models import get_model
 from jamp.optim import make_optimizer
-from jamp.overflow_watch import OverflowWatch, TrainingDiverged, advice
+from jamp.overflow_watch import OverflowLog, OverflowWatch, TrainingDiverged, advice, without_flags
 from jamp.precision import describe, reduce_dtype
 from jamp.run_config import (  # noqa: F401 (ConfigError and parse_config are loop's API too)
     ConfigError,
@@ -248,6 +249,7 @@ def _train(
     pending, window_start, wait, eval_metrics = [], None, 0.0, {}
     steps_timed, time_timed = 0, 0.0
     overflow = OverflowWatch(run.loss_scale, run.persistent_overflow_steps)
+    overflows = OverflowLog()  # which modules overflowed, for the log lines and the summary
     step = start
     while step < run.num_train_steps and not stop.should_stop(step):
         t0 = time.perf_counter()
@@ -258,21 +260,27 @@ def _train(
         step += 1
         if bar is not None:
             bar.update(1)
+        if run.trace_nonfinite and not bool(np.all(jax.device_get(metrics["grads_finite"]))):
+            # Costs a wait for the device every step, and a forward pass on skipped ones only.
+            _trace_overflow(model, task, placement.host(state), batch, rng, step, writer, bar)
         if step == start + 1:  # the first step compiles: keep it out of the throughput
-            jax.block_until_ready(metrics)
-            _watch_overflow(overflow, [placement.fetch(metrics)], step, run, bar)
+            first = [jax.device_get(placement.fetch(metrics))]
+            _note_overflows(overflows, first, step, writer, bar)
+            _watch_overflow(overflow, first, step, run, bar)
             window_start, wait, pending = time.perf_counter(), 0.0, []
             continue
         if step % run.log_every_steps == 0 or step == run.num_train_steps:
             window = [placement.fetch(m) for m in jax.device_get(pending)]
-            record = mean_metrics(window)
+            counts = _note_overflows(overflows, window, step, writer, bar)
+            record = mean_metrics([without_flags(m) for m in window])
+            record.update({f"nonfinite/{name}": n for name, n in counts.items()})
             elapsed = time.perf_counter() - window_start
             record["examples_per_sec"] = len(pending) * run.batch_size / elapsed
             record["data_wait_fraction"] = wait / elapsed
             record["learning_rate"] = float(schedule(step - record.get("skipped_steps", 0)))
             writer.write(step, record, kind="train")
             steps_timed, time_timed = steps_timed + len(pending), time_timed + elapsed
-            _show(bar, step, record)
+            _show(bar, step, record, counts)
             _watch_overflow(overflow, window, step, run, bar)
             pending, window_start, wait = [], time.perf_counter(), 0.0
         hook_start = time.perf_counter()
@@ -296,18 +304,62 @@ def _train(
             "same --workdir to resume",
             flush=True,
         )
-    return _summary(run, task, final, step, eval_metrics, steps_timed, time_timed, dataset, t_begin)
+    summary = _summary(
+        run, task, final, step, eval_metrics, steps_timed, time_timed, dataset, t_begin
+    )
+    summary["overflowing modules"] = overflows.most_frequent()
+    return summary
 
 
-def _show(bar, step, record):
+def _show(bar, step, record, counts):
     text = (
         f"loss {record['loss']:.4f}  scale {record['loss_scale']:g}  "
         f"{record['examples_per_sec']:.0f} ex/s"
     )
+    if counts:  # the modules whose gradients overflowed in this window, most often first
+        worst = sorted(counts, key=counts.get, reverse=True)
+        text += f"  overflow: {', '.join(worst[:3])}" + (" ..." if len(worst) > 3 else "")
     if bar is not None:
         bar.set_postfix_str(text)
     elif jax.process_index() == 0:
         print(f"step {step}  {text}", flush=True)
+
+
+def _say(bar, text):
+    if jax.process_index() != 0:  # every process sees the same averaged metrics
+        return
+    if bar is not None:
+        bar.write(text, file=sys.stderr)
+    else:
+        print(text, file=sys.stderr, flush=True)
+
+
+def _note_overflows(log, window, step, writer, bar) -> dict[str, int]:
+    """Logs the skipped steps of a window (the last being `step`) with the modules whose
+    gradients were non-finite; returns how many of those steps each module overflowed in."""
+    events = log.update(window, first_step=step - len(window) + 1)
+    counts: dict[str, int] = {}
+    for at, names in events:
+        writer.write_event(at, "overflow", grads_nonfinite=names)
+        for name in names:
+            counts[name] = counts.get(name, 0) + 1
+    if events:
+        steps = ", ".join(str(at) for at, _ in events[:5]) + (" ..." if len(events) > 5 else "")
+        worst = ", ".join(f"{n} ({c})" for n, c in sorted(counts.items(), key=lambda x: -x[1]))
+        _say(bar, f"step {steps}: skipped, non-finite gradients in {worst}")
+    return counts
+
+
+def _trace_overflow(model, task, host_state, batch, rng, step, writer, bar):
+    """Re-runs a skipped step's batch forward, every module's output checked (trace_nonfinite)."""
+    variables = {"params": host_state.params, **host_state.model_state}
+    # The step's own dropout key also folded in the replica index: masks may differ.
+    key = jax.random.fold_in(rng, step - 1)
+    found = forward_nonfinite(
+        model, variables, tasks.model_inputs(task, batch), train=True, rngs={"dropout": key}
+    )
+    writer.write_event(step, "overflow_trace", forward_nonfinite=list(found.modules))
+    _say(bar, f"step {step}: skipped; {found.describe()}")
 
 
 def _watch_overflow(watch, window, step, run, bar):

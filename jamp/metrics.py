@@ -178,6 +178,26 @@ class MetricWriter:
                 if value is not None:
                     self._tb.add_scalar(f"{kind}/{name}", float(value), int(step))
 
+    def write_event(self, step: int, kind: str, /, **fields: Any) -> None:
+        """Appends one record of any JSON values (module paths, lists), not only scalars.
+
+        For what a run notices rather than measures, e.g. `write_event(37, "overflow",
+        grads_nonfinite=["Conv_0"])`; TensorBoard gets the record as text under `kind`.
+        """
+        if not self.enabled:
+            return
+        for name in fields:
+            if name in _RESERVED:
+                raise ValueError(f"field name {name!r} is reserved for the record's own field")
+        record = {"step": int(step), "kind": str(kind), **fields}
+        line = json.dumps(_json_value(record), allow_nan=False)
+        f = self._open()
+        f.write(line + "\n")
+        f.flush()
+        if self._tb is not None:
+            text = ", ".join(f"{k}: {_format(v)}" for k, v in fields.items())
+            self._tb.add_text(str(kind), text, int(step))
+
     def write_config(self, config: Mapping[str, Any]) -> None:
         """Writes `config` (nested mappings, tuples, None, numbers, strings) to config.json.
 
@@ -257,6 +277,8 @@ def mean_metrics(records: Sequence[Mapping[str, Any]]) -> dict[str, float | int]
 def _format(value: Any) -> str:
     if value is None:
         return "n/a"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_format(v) for v in value) or "none"
     if isinstance(value, Mapping):
         return ", ".join(f"{k} {_format(v)}" for k, v in value.items())
     if isinstance(value, (np.generic, np.ndarray)) and np.ndim(value) == 0:

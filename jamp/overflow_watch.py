@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -79,6 +80,55 @@ class OverflowWatch:
             f"with the loss scale at {float(last['loss_scale']):g}, which cannot back off "
             f"further ({int(last['skipped_steps'])} steps skipped in all)"
         )
+
+
+#: The train step's per-module finite flags (`jamp.make_train_step`'s metrics).
+BY_MODULE = "grads_finite_by_module"
+
+
+class OverflowLog:
+    """Which modules' gradients were non-finite on the skipped steps seen so far.
+
+    Reads the step metrics' `grads_finite_by_module` flags (fetched with the rest at log points;
+    averaged across replicas in the step, so every process reads the same).
+
+    Example:
+      >>> log = OverflowLog()
+      >>> events = log.update(window, first_step=41)  # [(step, ["Conv_0"]), ...]
+      >>> log.most_frequent()                          # "Conv_0 (12 steps)"
+    """
+
+    def __init__(self):
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def update(
+        self, window: Sequence[Mapping[str, Any]], first_step: int
+    ) -> list[tuple[int, list[str]]]:
+        """Takes consecutive steps' metrics, the oldest being step `first_step`; returns
+        `(step, non-finite module paths)` for each skipped step among them."""
+        events = []
+        for offset, metrics in enumerate(window):
+            flags = metrics.get(BY_MODULE)
+            if flags is None or bool(np.all(metrics["grads_finite"])):
+                continue
+            names = [name for name, ok in flags.items() if not np.all(np.asarray(ok))]
+            self.counts.update(names)
+            events.append((first_step + offset, names))
+        return events
+
+    def most_frequent(self, top: int = 5) -> str | None:
+        """The modules that overflowed on the most steps, for the run's summary."""
+        if not self.counts:
+            return None
+        pairs = self.counts.most_common(top)
+        more = len(self.counts) - len(pairs)
+        text = ", ".join(f"{name} ({n} step{'s' * (n != 1)})" for name, n in pairs)
+        return text + (f" and {more} more" if more > 0 else "")
+
+
+def without_flags(metrics: Mapping[str, Any]) -> dict:
+    """The step metrics minus the per-module flags: the scalars `mean_metrics` averages."""
+    return {k: v for k, v in metrics.items() if k != BY_MODULE}
 
 
 def advice() -> str:

@@ -59,6 +59,7 @@ class RunConfig:
     persistent_overflow_steps: int
     parallelism: str = "pmap"
     mesh: Any = None  # a jax.sharding.Mesh when parallelism == "sharded"
+    trace_nonfinite: bool = False
 
 
 def _make_loss_scale(kind: str, p: ml_collections.ConfigDict, policy: jmp.Policy):
@@ -180,8 +181,21 @@ def parse_config(config: ml_collections.ConfigDict):
         persistent_overflow_steps=config.persistent_overflow_steps,
         parallelism=config.parallelism,
         mesh=mesh,
+        trace_nonfinite=_trace_nonfinite(config),
     )
     return run, data, optim, task
+
+
+def _trace_nonfinite(config) -> bool:
+    value = config.get("trace_nonfinite", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"trace_nonfinite must be true or false, got {value!r}")
+    if value and jax.process_count() > 1:
+        # The re-run reads the whole batch on one process; the others hold only their slices.
+        raise ConfigError(
+            f"trace_nonfinite runs on one process only; this run has {jax.process_count()}"
+        )
+    return value
 
 
 def _mesh(config):

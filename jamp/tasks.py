@@ -29,6 +29,11 @@ def _inputs_targets(task, batch):
     return batch["image"], batch["label"]
 
 
+def model_inputs(task: str, batch):
+    """What the model is called with for a batch of `task`: images, or the input tokens."""
+    return _inputs_targets(task, batch)[0]
+
+
 def make_loss_fn(model, task: str):
     """`loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, metrics))`."""
 

@@ -144,6 +144,32 @@ def test_metric_writer_tensorboard_scalars(tmp_path):
     assert (tmp_path / "metrics.jsonl").exists()
 
 
+def test_metric_writer_events_carry_module_paths_to_jsonl_and_tensorboard(tmp_path):
+    with MetricWriter(tmp_path) as writer:
+        writer.write_event(7, "overflow", grads_nonfinite=["Block_0/Dense_1", "head"])
+        writer.write(8, {"loss": 0.5})
+        with pytest.raises(ValueError, match="reserved"):
+            writer.write_event(9, "overflow", step=3)
+    lines = _lines(tmp_path)
+    assert lines[0] == {
+        "step": 7,
+        "kind": "overflow",
+        "grads_nonfinite": ["Block_0/Dense_1", "head"],
+    }
+    assert lines[1]["kind"] == "train" and len(lines) == 2
+    texts = [
+        (value.tag, event.step, value.tensor.string_val[0].decode())
+        for path in sorted(tmp_path.glob("events.out.tfevents.*"))
+        for event in _events(path)
+        for value in event.summary.value
+        if value.tensor.string_val
+    ]
+    assert texts == [("overflow/text_summary", 7, "grads_nonfinite: Block_0/Dense_1, head")]
+    with MetricWriter(tmp_path, enabled=False) as quiet:
+        quiet.write_event(10, "overflow", grads_nonfinite=[])
+    assert len(_lines(tmp_path)) == 2
+
+
 def test_metric_writer_purge_step_marks_restart(tmp_path):
     from tensorboardX.proto import event_pb2
 

@@ -571,3 +571,78 @@ def test_train_persistent_overflow_config_rejects_bad_values(arg, needle, tmp_pa
     assert out.returncode == 2
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in out.stderr
+
+
+# ------------------------------------------------------------------ which module overflowed
+
+
+def test_overflow_log_counts_the_modules_of_skipped_steps_only():
+    from jamp.overflow_watch import OverflowLog, without_flags
+
+    ok, bad = np.bool_(True), np.bool_(False)
+    window = [
+        {"grads_finite": ok, "grads_finite_by_module": {"a": ok, "b": ok}},
+        {"grads_finite": bad, "grads_finite_by_module": {"a": ok, "b": bad}},
+        # pmap: a device axis; the replicas agree, any False counts.
+        {
+            "grads_finite": np.array([False, False]),
+            "grads_finite_by_module": {"a": np.array([0, 0]), "b": np.array([1, 1])},
+        },
+    ]
+    log = OverflowLog()
+    assert log.update(window, first_step=11) == [(12, ["b"]), (13, ["a"])]
+    log.update(window[1:2], first_step=20)
+    assert log.most_frequent() == "b (2 steps), a (1 step)"
+    assert OverflowLog().most_frequent() is None
+    assert "grads_finite_by_module" not in without_flags(window[0])
+
+
+def test_train_names_the_one_module_that_overflows_in_fp16(tmp_path):
+    # The seed CNN with its first convolution reparametrised as 1e4 * conv(x; w / 1e4): the same
+    # forward pass, 1e4 times larger gradients there. Under mixed_float16 the dynamic scale
+    # starts at 2**16 and backs off; until it has, only Conv_0's gradients overflow fp16.
+    workdir = tmp_path / "run"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jamp.train",
+            "--config=configs/default.py:smoke",
+            f"--workdir={workdir}",
+            "--config.policy=mixed_float16",
+            "--config.model_config={'stem_multiplier': 1e4}",
+            "--config.trace_nonfinite=true",
+        ],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    overflows = [r for r in records if r["kind"] == "overflow"]
+    assert overflows and all(r["grads_nonfinite"] == ["Conv_0"] for r in overflows)
+    skipped = {r["step"] for r in overflows}
+    train = [r for r in records if r["kind"] == "train"]
+    assert train[-1]["skipped_steps"] == len(skipped)
+    counted = sum(r.get("nonfinite/Conv_0", 0) for r in train) + (1 in skipped)
+    assert counted == len(skipped)  # step 1 (the compile) is logged as an event only
+    assert not [
+        k for r in train for k in r if k.startswith("nonfinite/") and k != "nonfinite/Conv_0"
+    ]
+    # trace_nonfinite re-ran each skipped batch: the forward pass was finite every time.
+    traces = [r for r in records if r["kind"] == "overflow_trace"]
+    assert {r["step"] for r in traces} == skipped
+    assert all(r["forward_nonfinite"] == [] for r in traces)
+    assert "non-finite gradients in Conv_0" in out.stderr
+    assert "forward pass finite" in out.stderr
+    summary = [line for line in out.stdout.splitlines() if line.startswith("overflowing modules")]
+    assert summary and summary[0].split()[2] == "Conv_0"
+
+
+def test_train_trace_nonfinite_rejects_a_non_bool(tmp_path):
+    out = _cli(tmp_path / "run", "--config.trace_nonfinite=maybe")
+    assert out.returncode == 2
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "trace_nonfinite" in lines[0]

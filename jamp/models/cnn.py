@@ -21,17 +21,28 @@ class SeedCNN(nn.Module):
 
     Works on any NHWC image size (CIFAR-10's 32x32x3 gives the seed's 64*16*16 -> 256 dense layer).
 
+    `stem_multiplier` m reparametrises the first convolution as `m * conv(x; w / m)`: the same
+    function at initialisation (its kernel is drawn m times smaller), but that layer's gradients
+    are m times larger, the way output multipliers and learned logit scales make a single module
+    outgrow fp16's range in the backward pass. 1 (the default) is the seed's model; the tests and
+    the overflow experiments use it to have one module that overflows and only one.
+
     Example::
 
       logits = SeedCNN(num_classes=10).apply(variables, images_NHWC)
     """
 
     num_classes: int = 10
+    stem_multiplier: float = 1.0
 
     @nn.compact
     def __call__(self, images_NHWC, train: bool = False):
         del train  # no dropout or batch statistics; accepted so every model has the same signature
-        x = nn.relu(nn.Conv(32, (3, 3), padding=1)(images_NHWC))
+        m = self.stem_multiplier
+        # lecun_normal (Flax's default) when m == 1, with m times smaller weights otherwise.
+        init = nn.initializers.variance_scaling(1.0 / m**2, "fan_in", "truncated_normal")
+        x = nn.Conv(32, (3, 3), padding=1, kernel_init=init)(images_NHWC)
+        x = nn.relu(x * m if m != 1 else x)
         x = nn.relu(nn.Conv(64, (3, 3), padding=1)(x))
         x = max_pool_2x2(x)
         x = x.reshape(x.shape[0], -1)
