@@ -193,12 +193,20 @@ def module_path(name_stack: str, calls: Optional[ModuleCalls] = None) -> str:
         if not _MODULE_LIKE.match(text) or text in _JAX_NAMES:
             continue  # an einsum spec, a name JAX added
         scope, _, method = text.partition(".")
-        if calls is not None and scope not in calls.modules:
-            continue  # a user's own scope
+        if calls is not None and calls.roots and scope not in calls.modules:
+            continue  # a user's own scope inside a Flax program
         if not (method and scope == previous):  # else: a module calling a method of its own
             path.append(scope)
         previous = scope
     return "/".join(path)
+
+
+def in_module(name_stack: str, calls: ModuleCalls) -> bool:
+    """Whether an equation ran inside a Flax module call (always, for a program without any:
+    then its scopes are the user's own `jax.named_scope`s)."""
+    if not calls.roots:
+        return True
+    return any(_is_root(n.text, calls) for n in names(name_stack))
 
 
 def op_name_path(op_name: str, calls: Optional[ModuleCalls] = None) -> tuple[str, bool]:
