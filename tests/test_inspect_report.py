@@ -55,6 +55,9 @@ def test_report_transformer_all_matmul_flops_16bit_under_mixed_bfloat16():
     assert report.totals.share_16bit() == 1.0
     assert report.totals.share_16bit("forward") == report.totals.share_16bit("backward") == 1.0
     assert not [h for h in report.hazards if h.kind != "emulated compute dtype"]
+    # Shapes are enough: nothing is run.
+    specs = jax.eval_shape(lambda: (state, tokens, jax.random.key(0)))
+    assert precision_report(step, *specs) == report
 
 
 def test_report_transformer_no_16bit_matmul_flops_under_float32():
@@ -198,14 +201,28 @@ def test_report_16bit_psum_in_a_shard_map_is_a_hazard():
     assert not [h for h in fp32.hazards if "collective" in h.kind]
 
 
-def test_report_compiled_reads_the_partitioned_program_collectives():
-    step, state, tokens, _ = _lm_step("mixed_bfloat16,reduce=bf16")
+def _sharded_lm_step(policy):
+    step, state, _, params = _lm_step(policy)
     mesh = jamp.sharding.make_mesh("fsdp=8")
     state = jamp.sharding.shard_state(state, mesh)
     sharded = jamp.sharding.make_sharded_train_step(
         step, mesh, jamp.sharding.state_shardings(state)
     )
-    batch = jnp.zeros((8, 9), jnp.int32)
+    return sharded, state, jnp.zeros((8, 9), jnp.int32), params
+
+
+def test_report_of_a_jitted_step_keeps_its_paths_when_jax_serves_a_cached_trace():
+    sharded, state, batch, params = _sharded_lm_step("mixed_bfloat16")
+    first = precision_report(sharded, state, batch, jax.random.key(0))
+    assert precision_report(sharded, state, batch, jax.random.key(0)) == first
+    # A new function around the same jitted step: nothing recorded, the names read as they are.
+    again = precision_report(lambda *a: sharded(*a), state, batch, jax.random.key(0))
+    assert {r.path for r in again.rows} == {r.path for r in first.rows}
+    assert {r.path for r in first.rows} <= _module_paths(params) | {OUTSIDE}
+
+
+def test_report_compiled_reads_the_partitioned_program_collectives():
+    sharded, state, batch, _ = _sharded_lm_step("mixed_bfloat16,reduce=bf16")
     report = precision_report(sharded, state, batch, jax.random.key(0), compiled=True)
     summed = [h for h in report.hazards if h.kind == "16-bit collective"]
     assert summed and all("all-reduce" in h.detail or "reduce-scatter" in h.detail for h in summed)

@@ -126,6 +126,7 @@ class Context:
     compute: Optional[np.dtype]  # the policy's compute dtype (None: float32)
     activations: str  # "float32" or "compute", resolved (see jamp.activations)
     overrides: tuple = ()  # the jamp.wrap overrides the policy tags index into
+    wrapped: bool = False  # the program runs a jamp.wrap'ped model (its scopes say Wrapped.*)
 
 
 def _size(aval) -> int:
@@ -235,7 +236,10 @@ class Walker:
             else:
                 phase = "other"  # outside differentiation: the optimizer, the loss scale
             calls = self.ctx.calls
-            inside = _paths.in_module(stack, calls)
+            if calls.roots:
+                inside = _paths.in_module(stack, calls)
+            else:  # nothing recorded (a trace JAX had cached): read the names as they are
+                calls, inside = None, "Wrapped." in stack or not self.ctx.wrapped
             path = _paths.module_path(stack, calls) if inside else OUTSIDE
             self._where[stack] = (path, phase, _paths.policy_tag(stack))
         return self._where[stack]
@@ -312,7 +316,10 @@ class Walker:
         stats.matmul_flops[MatmulKind(op, short(lhs), short(rhs), short(acc))] += flops
         stats.activation_bytes[short(out.dtype)] += _nbytes(out) * times
         if is_16bit(lhs) and is_16bit(rhs) and is_16bit(acc):
-            detail = f"{op} {short(lhs)}*{short(rhs)}->{short(acc)}: accumulates in {short(acc)}"
+            detail = (
+                f"{op} {short(lhs)}*{short(rhs)}->{short(acc)}: its result is rounded to (and "
+                f"must fit in) {short(acc)}; no float32 result asked for"
+            )
             self.hazards[HazardCount("16-bit accumulation", path, phase, detail)] += flops
         if self.ctx.compute is None or (is_16bit(lhs) and is_16bit(rhs)):
             return

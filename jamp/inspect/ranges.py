@@ -261,7 +261,11 @@ def _depth_first(path: str, paths: list[str]):
 
 
 def _fmt(x: Optional[float], spec: str = ".3g") -> str:
-    return "-" if x is None else format(x, spec)
+    if x is None:
+        return "-"
+    if math.isnan(x) or (math.isinf(x) and spec == ".3g"):
+        return "non-finite"  # the program's own gradient overflowed already
+    return format(x, spec)
 
 
 def _table(ranges: Ranges) -> str:
@@ -315,13 +319,23 @@ def _plot(ranges: Ranges, path: pathlib.Path) -> pathlib.Path:
     rows = ranges.rows
     labels = [r.path or "(root)" for r in rows]
     y = np.arange(len(rows))
-    log2 = lambda v: np.log2(v) if v else np.nan  # noqa: E731
+    top = math.log2(float(jnp.finfo(ranges.dtype).max)) + 2  # where non-finite values are drawn
+
+    def log2(v):
+        if not v:
+            return np.nan
+        return float(np.log2(v)) if math.isfinite(v) else top
+
     info = jnp.finfo(ranges.dtype)
     fig, (left, right) = plt.subplots(
         1, 2, figsize=(12, 0.3 * len(rows) + 2.2), sharey=True, width_ratios=(2, 1)
     )
     left.barh(y - 0.2, [log2(r.max_activation) for r in rows], 0.4, label="max |activation|")
     left.barh(y + 0.2, [log2(r.max_scaled_grad) for r in rows], 0.4, label="max |grad x S|")
+    for i, r in enumerate(rows):
+        for value, dy in ((r.max_activation, -0.2), (r.max_scaled_grad, 0.2)):
+            if value is not None and not math.isfinite(value):
+                left.text(top, i + dy, " non-finite", va="center", fontsize=7, color="red")
     left.axvline(math.log2(float(info.max)), color="red", ls="--", label=f"{ranges.dtype} max")
     left.axvline(
         math.log2(float(info.smallest_subnormal)), color="gray", ls=":", label="smallest subnormal"

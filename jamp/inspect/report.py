@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import weakref
 from typing import Any, Callable, Optional
 
 import jax
@@ -266,18 +267,41 @@ def _compiled_parts(fn, args, calls) -> tuple[list[Gemm], list[Hazard], dict]:
     return gemms, hazards, nbytes
 
 
-def _survey(jaxpr) -> tuple[Optional[np.dtype], bool]:
+# The module calls recorded the last time each function was traced: a jitted function (a
+# sharded step) is traced once, and JAX serves its cached trace afterwards, running no module.
+_RECORDED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _trace(fn, args):
+    """`fn`'s jaxpr on `args`, and the Flax module calls made while tracing it."""
+    calls = _paths.ModuleCalls()
+    with calls.recording():
+        # A new function each time, so that at least the outer trace runs again.
+        closed = jax.make_jaxpr(lambda *a: fn(*a))(*args)
+    try:
+        if calls.roots:
+            _RECORDED[fn] = calls
+        else:
+            calls = _RECORDED.get(fn, calls)
+    except TypeError:  # not weakly referable: keep what was recorded
+        pass
+    return closed, calls
+
+
+def _survey(jaxpr) -> tuple[Optional[np.dtype], bool, bool]:
     """(the 16-bit dtype most matmul FLOPs take their operands in, or None; whether the program
-    holds a backward pass)."""
+    holds a backward pass; whether it runs a jamp.wrap'ped model)."""
     flops: collections.Counter = collections.Counter()
-    backward = False
+    backward = wrapped = False
 
     def visit(j):
-        nonlocal backward
+        nonlocal backward, wrapped
         producers = {}
         for eqn in j.eqns:
             producers.update((v, eqn) for v in eqn.outvars)
-            backward = backward or _paths.is_backward(str(eqn.source_info.name_stack))
+            stack = str(eqn.source_info.name_stack)
+            backward = backward or _paths.is_backward(stack)
+            wrapped = wrapped or "Wrapped." in stack
             if eqn.primitive.name in _walk.MATMULS:
                 lhs, rhs = (
                     _walk.widened_from(v, producers) or v.aval.dtype for v in eqn.invars[:2]
@@ -288,7 +312,7 @@ def _survey(jaxpr) -> tuple[Optional[np.dtype], bool]:
                 visit(sub)
 
     visit(jaxpr)
-    return (flops.most_common(1)[0][0] if flops else None), backward
+    return (flops.most_common(1)[0][0] if flops else None), backward, wrapped
 
 
 def _wrapped_settings(calls: _paths.ModuleCalls) -> dict[str, Any]:
@@ -325,15 +349,13 @@ def precision_report(fn: Callable, *args, compiled: bool = False, compute_dtype=
       report = precision_report(jax.value_and_grad(loss), params, batch)
       report.row("Dense_0", "backward").matmul_flops
     """
-    calls = _paths.ModuleCalls()
-    with calls.recording():
-        closed = jax.make_jaxpr(fn)(*args)
+    closed, calls = _trace(fn, args)
     settings = _wrapped_settings(calls)
-    inferred, differentiated = _survey(closed.jaxpr)
+    inferred, differentiated, wrapped = _survey(closed.jaxpr)
     compute = compute_dtype if compute_dtype is not None else settings.get("compute", inferred)
     compute = np.dtype(compute) if compute is not None and _walk.is_16bit(compute) else None
     activations = settings.get("activations") or act.resolve("auto")
-    ctx = _walk.Context(calls, compute, activations, settings.get("overrides", ()))
+    ctx = _walk.Context(calls, compute, activations, settings.get("overrides", ()), wrapped)
     walker = _walk.Walker(ctx, differentiated)
     walker.walk(closed.jaxpr)
     rows = _rows(walker)
