@@ -35,7 +35,8 @@ import jax
 _DERIVED_LINES = frozenset(
     {"XLA Modules", "XLA Ops", "Async XLA Ops", "XLA TraceMe", "Steps", "Source code"}
 )
-_DEVICE_PLANES = ("/device:GPU:", "/device:TPU:")
+# TPUs record their ops differently (on an "XLA Ops" line) and are not read here.
+_DEVICE_PLANES = ("/device:GPU:",)
 _END = "end: "
 
 
@@ -100,8 +101,8 @@ def timelines_of(space, program: str) -> tuple[list[list[tuple[float, float, str
     """The step's events as timelines of (start ns, end ns, hlo_op), the summed ns of other
     programs' ops, and a few words on where the events came from.
 
-    One timeline per GPU (or TPU) plane that ran `program`; without any, one for the host plane,
-    whose threads share the machine's cores.
+    One timeline per GPU plane that ran `program`; without any GPU plane, one for the host
+    plane, whose threads share the machine's cores.
     """
     planes = list(space.planes)
     device = [p for p in planes if p.name.startswith(_DEVICE_PLANES)]
