@@ -36,8 +36,11 @@ from typing import Optional
 
 import flax.linen as nn
 
+from jamp.wrap import _TAG as wrap_tag
+from jamp.wrap import _tag_index
+
 #: The scope `jamp.wrap` puts around an overridden submodule's call (see `jamp.wrap._policy_tag`).
-_TAG = re.compile(r"^jamp_policy_(\d+)_$")
+_TAG = re.compile(rf"^{re.escape(wrap_tag)}(\d+)_$")
 # What `jamp.wrap` calls the user's model from: `Wrapped.apply`, `Wrapped.init`, ...
 _WRAPPED = re.compile(r"^Wrapped\.\w+$")
 # A module's scope name: an identifier, perhaps with `.method`.
@@ -100,12 +103,7 @@ def is_backward(name_stack: str) -> bool:
 
 def policy_tag(name_stack: str) -> Optional[int]:
     """The index (into `jamp.wrap`'s overrides) of the innermost policy tag, if any."""
-    found = None
-    for name in names(name_stack):
-        m = _TAG.match(name.text)
-        if m:
-            found = int(m.group(1))
-    return found
+    return _tag_index(name_stack)  # jamp.wrap's own reading of its tags
 
 
 class ModuleCalls:
