@@ -47,6 +47,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     # first module whose output was non-finite (the step itself already logs which modules'
     # gradients were). Off by default: it waits for the device after every step.
     c.trace_nonfinite = False
+    # Profile this many steps (after one warm-up step) at the start of the run: device time per
+    # module and per dtype class (16-bit / fp32 matmul, convolution, elementwise, collectives) as
+    # a share of the step, written to profile.txt / .png / .json in the workdir. 0: off.
+    c.profile_steps = 0
 
     # pmap (jamp.parallel: every device holds the whole state) | sharded (jit on a device mesh,
     # the state split over its fsdp axis: jamp.sharding); mesh: the sharded run's axis sizes over

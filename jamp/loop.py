@@ -24,6 +24,7 @@ from jamp import data as data_lib
 from jamp import parallel, sharding, tasks
 from jamp.checkpoint import Checkpointer
 from jamp.inspect.overflow import forward_nonfinite
+from jamp.inspect.profile import profile_steps
 from jamp.metrics import MetricWriter, mean_metrics, peak_memory_mib, summary_table
 from jamp.models import get_model
 from jamp.optim import make_optimizer
@@ -214,7 +215,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
         ):
             writer.write_config(config.to_dict())
             summary = _train(
-                run, task, model, tx, schedule, state, start, dataset, ckpt, writer, stop, t_begin
+                run,
+                task,
+                model,
+                tx,
+                schedule,
+                state,
+                start,
+                dataset,
+                ckpt,
+                writer,
+                stop,
+                t_begin,
+                workdir,
             )
     summary["workdir"] = str(workdir)
     if jax.process_index() == 0:
@@ -223,7 +236,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
 
 
 def _train(
-    run, task, model, tx, schedule, state, start, dataset, checkpointer, writer, stop, t_begin
+    run,
+    task,
+    model,
+    tx,
+    schedule,
+    state,
+    start,
+    dataset,
+    checkpointer,
+    writer,
+    stop,
+    t_begin,
+    workdir,
 ):
     reduce = reduce_dtype(run.policy)  # under pmap, the step averages in it; sharded, wrap sums
 
@@ -251,6 +276,11 @@ def _train(
     overflow = OverflowWatch(run.loss_scale, run.persistent_overflow_steps)
     overflows = OverflowLog()  # which modules overflowed, for the log lines and the summary
     step = start
+    if run.profile_steps:
+        state, step = _profile(run, p_train_step, placement, state, batches, rng, step, workdir)
+        if bar is not None:
+            bar.update(step - start)
+        window_start = time.perf_counter()
     while step < run.num_train_steps and not stop.should_stop(step):
         t0 = time.perf_counter()
         batch = next(batches)
@@ -307,7 +337,7 @@ def _train(
     summary = _summary(
         run, task, final, step, eval_metrics, steps_timed, time_timed, dataset, t_begin
     )
-    summary["overflowing modules"] = overflows.most_frequent()
+    summary["overflowing modules"] = overflows.most_frequent() or "none"
     return summary
 
 
@@ -323,6 +353,33 @@ def _show(bar, step, record, counts):
         bar.set_postfix_str(text)
     elif jax.process_index() == 0:
         print(f"step {step}  {text}", flush=True)
+
+
+def _profile(run, p_train_step, placement, state, batches, rng, step, workdir):
+    """Runs the first steps under the profiler (profile_steps): one warm-up step, then
+    `run.profile_steps` profiled ones; they are training steps like any other (same batches, same
+    updates), only their metrics are not logged. Writes profile.txt / .png / .json."""
+    if step + 1 + run.profile_steps > run.num_train_steps:
+        print(
+            f"profile_steps: {run.num_train_steps - step} steps left, fewer than the "
+            f"{run.profile_steps} + 1 warm-up to profile; not profiling",
+            flush=True,
+        )
+        return state, step
+    device_batches = (placement.batch(b) for b in batches)
+    state, profile = profile_steps(
+        p_train_step,
+        state,
+        device_batches,
+        run.profile_steps,
+        rng=rng,
+        logdir=workdir / "profile_trace",  # for TensorBoard's / XProf's own viewers
+    )
+    if jax.process_index() == 0:
+        profile.save(workdir)
+        print(profile.table(), flush=True)
+        print(f"profile written to {workdir / 'profile.png'} and profile.txt", flush=True)
+    return state, step + 1 + run.profile_steps
 
 
 def _say(bar, text):

@@ -60,6 +60,7 @@ class RunConfig:
     parallelism: str = "pmap"
     mesh: Any = None  # a jax.sharding.Mesh when parallelism == "sharded"
     trace_nonfinite: bool = False
+    profile_steps: int = 0
 
 
 def _make_loss_scale(kind: str, p: ml_collections.ConfigDict, policy: jmp.Policy):
@@ -182,6 +183,7 @@ def parse_config(config: ml_collections.ConfigDict):
         parallelism=config.parallelism,
         mesh=mesh,
         trace_nonfinite=_trace_nonfinite(config),
+        profile_steps=_profile_steps(config),
     )
     return run, data, optim, task
 
@@ -194,6 +196,18 @@ def _trace_nonfinite(config) -> bool:
         # The re-run reads the whole batch on one process; the others hold only their slices.
         raise ConfigError(
             f"trace_nonfinite runs on one process only; this run has {jax.process_count()}"
+        )
+    return value
+
+
+def _profile_steps(config) -> int:
+    value = config.get("profile_steps", 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"profile_steps must be an integer >= 0 (0: off), got {value!r}")
+    if value and value + 1 > config.num_train_steps:
+        raise ConfigError(
+            f"profile_steps {value} plus one warm-up step do not fit in num_train_steps "
+            f"{config.num_train_steps}"
         )
     return value
 

@@ -125,6 +125,23 @@ def test_train_synthetic_recipe_and_policy_flag(tmp_path):
     assert _records(workdir, "train")[-1]["loss_scale"] == 1.0  # bf16: no loss scaling
 
 
+def test_train_profile_steps_writes_the_profile_and_trains_as_without(tmp_path, data_dir):
+    plain, profiled = tmp_path / "plain", tmp_path / "profiled"
+    _smoke("default", plain, data_dir)
+    out = _smoke("default", profiled, data_dir, "--config.profile_steps=3")
+    for name in ("profile.txt", "profile.png", "profile.json"):
+        assert (profiled / name).stat().st_size > 0, name
+    assert "shares add up to" in out.stdout and "convolution" in out.stdout
+    data = json.loads((profiled / "profile.json").read_text())
+    modules = {row["module"] for row in data["rows"]}
+    assert {"Conv_0", "Conv_1", "Dense_0", "Dense_1"} <= modules
+    assert 0.0 < data["attributed_fraction"] <= 1.02
+    # The profiled steps (one warm-up + 3) are training steps like any other.
+    last = [_records(w, "train")[-1] for w in (plain, profiled)]
+    assert last[0]["step"] == last[1]["step"] == 12 and last[0]["loss"] == last[1]["loss"]
+    assert _records(plain, "eval")[-1] == _records(profiled, "eval")[-1]
+
+
 def test_train_resumes_where_it_stopped(tmp_path, data_dir):
     workdir = tmp_path / "resume"
     _smoke("default", workdir, data_dir, "--config.num_train_steps=6")
@@ -174,6 +191,8 @@ ERRORS = [
     (["--config.loss_scale=sometimes"], "sometimes"),
     (["--config.learning_rate=-1"], "learning_rate"),
     (["--config=configs/no_such_recipe.py"], "no_such_recipe"),
+    (["--config.profile_steps=-1"], "profile_steps"),
+    (["--config.profile_steps=1000"], "profile_steps"),
 ]
 
 
