@@ -42,7 +42,31 @@ from jamp.step import make_eval_step, make_train_step
 from jamp.wrap import wrap
 
 
-def _init_state(model, tx, loss_scale, info, seed) -> TrainState:
+def build_model(run: RunConfig, data_cfg, task: str):
+    """The dataset and the wrapped model a parsed config describes: `(dataset, model)`.
+
+    Raises ConfigError (the model does not fit the data, a bad model_config or override) or
+    `jamp.data.DataError`, with one-line messages; writes nothing.
+    """
+    dataset = data_lib.get_dataset(data_cfg, jax.device_count())
+    if dataset.info.task != task:
+        raise ConfigError(
+            f"model {run.model!r} trains on {task} data but dataset {data_cfg.dataset!r} is "
+            f"{dataset.info.task} data"
+        )
+    try:
+        model = wrap(
+            get_model(run.model, dataset.info.num_classes, **run.model_config),
+            run.policy,
+            activations=run.activations,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return dataset, model
+
+
+def init_state(model, tx, loss_scale, info, seed) -> TrainState:
+    """A fresh TrainState for `model` on data described by `info` (a dataset's `.info`)."""
     dtype = jnp.int32 if info.task == "lm" else jnp.float32
     dummy = jnp.zeros((1, *info.input_shape), dtype)
     variables = dict(model.init(jax.random.key(seed), dummy, train=False))
@@ -185,23 +209,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
     data_cfg = dataclasses.replace(
         data_cfg, process_index=jax.process_index(), process_count=jax.process_count()
     )
-    dataset = data_lib.get_dataset(data_cfg, jax.device_count())
-    if dataset.info.task != task:
-        raise ConfigError(
-            f"model {run.model!r} trains on {task} data but dataset {data_cfg.dataset!r} is "
-            f"{dataset.info.task} data"
-        )
-    try:
-        model = wrap(
-            get_model(run.model, dataset.info.num_classes, **run.model_config),
-            run.policy,
-            activations=run.activations,
-        )
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    dataset, model = build_model(run, data_cfg, task)
     workdir = prepare_workdir(workdir)
     tx, schedule = make_optimizer(optim_cfg)
-    state = _init_state(model, tx, run.loss_scale, dataset.info, run.seed)
+    state = init_state(model, tx, run.loss_scale, dataset.info, run.seed)
     with Checkpointer(workdir / "checkpoints", max_to_keep=run.max_checkpoints_to_keep) as ckpt:
         if ckpt.latest_step() is not None:
             # CheckpointError if it belongs to another config; damaged newer ones are set aside

@@ -28,31 +28,13 @@ from jamp import train
 
 def _build(config):
     """What the training program builds from a recipe: settings, dataset, wrapped model, state."""
-    import jax
-
-    from jamp import data as data_lib
     from jamp import loop
-    from jamp.models import get_model
     from jamp.optim import make_optimizer
-    from jamp.wrap import wrap
 
     run, data_cfg, optim_cfg, task = loop.parse_config(config)
-    dataset = data_lib.get_dataset(data_cfg, jax.device_count())
-    if dataset.info.task != task:
-        raise loop.ConfigError(
-            f"model {run.model!r} trains on {task} data but dataset {data_cfg.dataset!r} is "
-            f"{dataset.info.task} data"
-        )
-    try:
-        model = wrap(
-            get_model(run.model, dataset.info.num_classes, **run.model_config),
-            run.policy,
-            activations=run.activations,
-        )
-    except ValueError as e:
-        raise loop.ConfigError(str(e)) from None
+    dataset, model = loop.build_model(run, data_cfg, task)
     tx, _ = make_optimizer(optim_cfg)
-    state = loop._init_state(model, tx, run.loss_scale, dataset.info, run.seed)
+    state = loop.init_state(model, tx, run.loss_scale, dataset.info, run.seed)
     return run, data_cfg, task, dataset, model, tx, state
 
 
