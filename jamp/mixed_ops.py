@@ -10,6 +10,16 @@ each operand's own dtype (float32 for float32 master weights).
 Example::
 
   y = mixed_dot_general(x, w, (((1,), (0,)), ((), ())), jnp.bfloat16, jnp.float32)
+
+How a mixed matmul is lowered depends on the hardware (`jamp.hardware.matmul_lowering`):
+"native" hands XLA the 16-bit operands (on CPUs in the layout of XLA:CPU's bf16 kernels);
+"upcast", chosen on CPUs that lack native 16-bit matmuls, widens the 16-bit operands to float32
+(in the same layout) and runs a float32 dot. Both compute the same thing: products of 16-bit
+values are exact in float32, so either is 16-bit x 16-bit with float32 accumulation, equal up to
+summation order.
+The environment variable ``JAMP_MATMUL_LOWERING`` (auto / native / upcast; the test suite pins
+"native") or `jamp.hardware.pinned_lowering` overrides the choice; it is read when a function is
+traced, so a function jitted before the change keeps its form.
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jamp import hardware
 
 # Accumulate in float32: 16-bit accumulation loses the small terms of long sums.
 _ACC = np.dtype(jnp.float32)
@@ -79,13 +91,17 @@ def _size(x, axes) -> int:
     return int(np.prod([x.shape[d] for d in axes], dtype=np.int64))
 
 
-def _canonical_matmul(lhs, rhs, dims, acc=_ACC):
+def _canonical_matmul(lhs, rhs, dims, acc=_ACC, widen=False):
     """The same product as a [batch, M, K] x [batch, K, N] matmul behind an optimization barrier.
 
     XLA:CPU runs bf16 x bf16 -> fp32 only in its fast matmul kernels, which take this layout; its
     generic dot rejects that type combination at run time. Left alone, XLA folds neighbouring
     transposes into the dot's dimension numbers and may hand it to the generic dot, so the operands
     are materialised in the canonical layout and the barrier keeps them there.
+
+    With `widen` (the "upcast" lowering) the 16-bit operands are laid out the same way and then
+    widened to float32 for a float32 dot: the fast kernels take that layout in float32 too, and
+    every dot of a Transformer step reaches them (left to XLA, its attention dots do not).
     """
     (lc, rc), (lb, rb) = dims
     l_free = _free_dims(lhs.ndim, lc, lb)
@@ -96,23 +112,32 @@ def _canonical_matmul(lhs, rhs, dims, acc=_ACC):
     rhs3 = lax.transpose(rhs, tuple(rb) + tuple(rc) + tuple(r_free)).reshape(b, k, n)
     lhs3, rhs3 = lax.optimization_barrier((lhs3, rhs3))
     if not lb:
-        out = lax.dot_general(
-            lhs3[0], rhs3[0], (((1,), (0,)), ((), ())), preferred_element_type=acc
-        )
+        lhs3, rhs3, mm = lhs3[0], rhs3[0], (((1,), (0,)), ((), ()))
     else:
-        out = lax.dot_general(lhs3, rhs3, (((2,), (1,)), ((0,), (0,))), preferred_element_type=acc)
+        mm = (((2,), (1,)), ((0,), (0,)))
+    out = _dot_in(lhs3, rhs3, mm, acc, widen)
     out = lax.optimization_barrier(out)
     return out.reshape(
         tuple(batch) + tuple(lhs.shape[d] for d in l_free) + tuple(rhs.shape[d] for d in r_free)
     )
 
 
-def _matmul(lhs, rhs, dims, out_dtype, acc=_ACC):
+def _dot_in(lhs, rhs, dims, acc, widen):
+    if widen:
+        # Exact: a float32 product of two 16-bit values has no rounding error, and the sum is
+        # float32's, as in a native 16-bit GEMM; a 16-bit `acc` is one rounding of that sum.
+        return lax.dot_general(lhs.astype(_ACC), rhs.astype(_ACC), dims).astype(acc)
+    return lax.dot_general(lhs, rhs, dims, preferred_element_type=acc)
+
+
+def _matmul(lhs, rhs, dims, out_dtype, acc=_ACC, lowering="native"):
     """`acc` is the dot's result dtype: float32, or a 16-bit reduce dtype for a weight gradient
-    (the GEMM accumulates in float32 and rounds once, so its partial sums cross devices 16-bit)."""
+    (the GEMM accumulates in float32 and rounds once, so its partial sums cross devices 16-bit).
+    `lowering` is "native" (16-bit operands into the dot) or "upcast" (widened to float32)."""
+    widen = lowering == "upcast"
     if jax.default_backend() == "cpu":
-        return _canonical_matmul(lhs, rhs, dims, acc).astype(out_dtype)
-    return lax.dot_general(lhs, rhs, dims, preferred_element_type=acc).astype(out_dtype)
+        return _canonical_matmul(lhs, rhs, dims, acc, widen).astype(out_dtype)
+    return _dot_in(lhs, rhs, dims, acc, widen).astype(out_dtype)
 
 
 def _inverse_permutation(src):
@@ -120,21 +145,23 @@ def _inverse_permutation(src):
     return tuple(src.index(axis) for axis in range(len(src)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _dot(lhs, rhs, dimension_numbers, compute_dtype, out_dtype, placed):
-    return _dot_fwd(lhs, rhs, dimension_numbers, compute_dtype, out_dtype, placed)[0]
+# The lowering is a static argument so that traces made under different lowerings never share
+# a cache entry.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _dot(lhs, rhs, dimension_numbers, compute_dtype, out_dtype, placed, lowering):
+    return _dot_fwd(lhs, rhs, dimension_numbers, compute_dtype, out_dtype, placed, lowering)[0]
 
 
-def _dot_fwd(lhs, rhs, dimension_numbers, compute_dtype, out_dtype, placed):
+def _dot_fwd(lhs, rhs, dimension_numbers, compute_dtype, out_dtype, placed, lowering):
     lhs_c = _to_compute(lhs, compute_dtype, placed[0])
     rhs_c = _to_compute(rhs, compute_dtype, placed[1])
-    out = _matmul(lhs_c, rhs_c, dimension_numbers, out_dtype)
+    out = _matmul(lhs_c, rhs_c, dimension_numbers, out_dtype, lowering=lowering)
     # Keep the 16-bit copies, not the fp32 originals: half the residual memory. The zero-size
     # arrays only carry the operands' dtypes to the backward pass.
     return out, (lhs_c, rhs_c, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
 
 
-def _dot_bwd(dimension_numbers, compute_dtype, out_dtype, placed, residuals, g):
+def _dot_bwd(dimension_numbers, compute_dtype, out_dtype, placed, lowering, residuals, g):
     del out_dtype
     lhs_c, rhs_c, lhs_like, rhs_like = residuals
     (lc, rc), (lb, rb) = dimension_numbers
@@ -151,14 +178,14 @@ def _dot_bwd(dimension_numbers, compute_dtype, out_dtype, placed, residuals, g):
     # d lhs: contract g's rhs-free axes with rhs's free axes. Result axes: [batch] + [lhs free] +
     # [rhs's contracting axes in ascending order], each of which pairs with one lhs contracting axis.
     acc = _grad_acc(placed[0])
-    d_lhs = _matmul(g_c, rhs_c, ((g_rfree, r_free), (g_batch, rb)), acc, acc)
+    d_lhs = _matmul(g_c, rhs_c, ((g_rfree, r_free), (g_batch, rb)), acc, acc, lowering)
     src = lb + l_free + [lc[rc.index(r)] for r in sorted(rc)]
     d_lhs = lax.transpose(d_lhs, _inverse_permutation(src))
 
     # d rhs: contract lhs's free axes with g's lhs-free axes. Result axes: [batch] + [lhs's
     # contracting axes in ascending order] + [rhs free].
     acc = _grad_acc(placed[1])
-    d_rhs = _matmul(lhs_c, g_c, ((l_free, g_lfree), (lb, g_batch)), acc, acc)
+    d_rhs = _matmul(lhs_c, g_c, ((l_free, g_lfree), (lb, g_batch)), acc, acc, lowering)
     src = rb + [rc[lc.index(axis)] for axis in sorted(lc)] + r_free
     d_rhs = lax.transpose(d_rhs, _inverse_permutation(src))
     return (
@@ -185,7 +212,9 @@ def mixed_dot_general(lhs, rhs, dimension_numbers, compute_dtype, out_dtype, pla
       The product, in `out_dtype`. Its gradients come back in `lhs.dtype` and `rhs.dtype`.
     """
     dims = tuple(tuple(tuple(int(d) for d in axes) for axes in pair) for pair in dimension_numbers)
-    return _dot(lhs, rhs, dims, np.dtype(compute_dtype), np.dtype(out_dtype), tuple(placed))
+    compute_dtype = np.dtype(compute_dtype)
+    lowering = hardware.matmul_lowering(compute_dtype)
+    return _dot(lhs, rhs, dims, compute_dtype, np.dtype(out_dtype), tuple(placed), lowering)
 
 
 def _conv(lhs, rhs, params, preferred):
@@ -295,19 +324,19 @@ def _channels_last_perms(dn):
 _MM = (((1,), (0,)), ((), ()))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _patch_conv(lhs, rhs, params, compute_dtype, out_dtype, placed):
-    return _patch_conv_fwd(lhs, rhs, params, compute_dtype, out_dtype, placed)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _patch_conv(lhs, rhs, params, compute_dtype, out_dtype, placed, lowering):
+    return _patch_conv_fwd(lhs, rhs, params, compute_dtype, out_dtype, placed, lowering)[0]
 
 
-def _patch_conv_fwd(lhs, rhs, params, compute_dtype, out_dtype, placed):
+def _patch_conv_fwd(lhs, rhs, params, compute_dtype, out_dtype, placed, lowering):
     p = dict(params)
     to_lhs, to_rhs, to_out = _channels_last_perms(p["dimension_numbers"])
     x = lax.transpose(_to_compute(lhs, compute_dtype, placed[0]), to_lhs)
     w = lax.transpose(_to_compute(rhs, compute_dtype, placed[1]), to_rhs)
     patches = _extract_patches(x, w.shape[:-2], p["window_strides"], p["padding"])
     w2 = w.reshape(-1, w.shape[-1])
-    out = _canonical_matmul(patches.reshape(-1, w2.shape[0]), w2, _MM)
+    out = _matmul(patches.reshape(-1, w2.shape[0]), w2, _MM, _ACC, lowering=lowering)
     out = out.reshape(patches.shape[:-1] + (w2.shape[1],))
     out = lax.transpose(out, _inverse_permutation(to_out)).astype(out_dtype)
     # Zero-size arrays carry the input's channels-last shape and the operands' dtypes.
@@ -315,7 +344,7 @@ def _patch_conv_fwd(lhs, rhs, params, compute_dtype, out_dtype, placed):
     return out, (patches, w, shape_like, jnp.zeros((0,), rhs.dtype))
 
 
-def _patch_conv_bwd(params, compute_dtype, out_dtype, placed, residuals, g):
+def _patch_conv_bwd(params, compute_dtype, out_dtype, placed, lowering, residuals, g):
     del out_dtype
     p = dict(params)
     to_lhs, to_rhs, to_out = _channels_last_perms(p["dimension_numbers"])
@@ -323,9 +352,12 @@ def _patch_conv_bwd(params, compute_dtype, out_dtype, placed, residuals, g):
     g2 = lax.transpose(g.astype(compute_dtype), to_out).reshape(-1, w.shape[-1])
     p2 = patches.reshape(-1, patches.shape[-1])
     # Both products take 16-bit operands and return fp32; the scatter back sums in fp32.
-    d_w = _canonical_matmul(p2, g2, (((0,), (0,)), ((), ())), _grad_acc(placed[1]))
+    acc = _grad_acc(placed[1])
+    d_w = _matmul(p2, g2, (((0,), (0,)), ((), ())), acc, acc, lowering)
     d_w = d_w.reshape(w.shape)
-    d_patches = _canonical_matmul(g2, w.reshape(-1, w.shape[-1]), (((1,), (1,)), ((), ())))
+    d_patches = _matmul(
+        g2, w.reshape(-1, w.shape[-1]), (((1,), (1,)), ((), ())), _ACC, _ACC, lowering
+    )
     d_x = _scatter_patches(
         d_patches.reshape(patches.shape),
         lhs_like.shape[1:],
@@ -363,5 +395,5 @@ def mixed_conv(lhs, rhs, params, compute_dtype, out_dtype, placed=_UNPLACED):
     frozen = tuple(sorted((k, v) for k, v in params.items() if k != "preferred_element_type"))
     dtypes = (np.dtype(compute_dtype), np.dtype(out_dtype), tuple(placed))
     if _patch_lowerable(lhs, rhs, params):
-        return _patch_conv(lhs, rhs, frozen, *dtypes)
+        return _patch_conv(lhs, rhs, frozen, *dtypes, hardware.matmul_lowering(compute_dtype))
     return _mixed_conv(lhs, rhs, frozen, *dtypes)

@@ -7,6 +7,9 @@ model computes in, and the one its outputs are returned in. jamp uses
 A fourth, optional dtype says what gradients cross the wire in when parameters are sharded
 over devices (FSDP2's `reduce_dtype`): `"mixed_bfloat16,reduce=bf16"`. It defaults to float32;
 a policy that names another is a `jamp.precision.Policy`, a `jmp.Policy` with that one field more.
+
+`"auto"` names the policy that pays on this device: mixed_bfloat16 where it runs bfloat16 matmuls
+natively, float32 where it does not (`jamp.hardware.auto_policy`; `auto_reason` says which).
 """
 
 import dataclasses
@@ -14,6 +17,8 @@ from typing import Union
 
 import jax.numpy as jnp
 import jmp
+
+from jamp import hardware
 
 PRESETS = ("float32", "mixed_float16", "mixed_bfloat16")
 
@@ -23,6 +28,8 @@ _PRESET_SPECS = {
     "mixed_float16": "p=f32,c=f16,o=f32",
     "mixed_bfloat16": "p=f32,c=bf16,o=f32",
 }
+# Resolved when a policy is made, from what the default device runs natively.
+AUTO = "auto"
 _KEYS = {
     "p": "params",
     "params": "params",
@@ -38,12 +45,13 @@ _KEYS = {
 DTYPE_NAMES = ("float32", "f32", "full", "float16", "f16", "half", "bfloat16", "bf16")
 _ALLOWED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 _ACCEPTED = (
-    "Accepted: a preset (" + ", ".join(PRESETS) + "); a dtype name used for all three "
+    "Accepted: a preset (" + ", ".join(PRESETS) + "); 'auto' (mixed_bfloat16 where this "
+    "device runs bfloat16 matmuls natively, float32 elsewhere); a dtype name used for all three "
     "dtypes (" + ", ".join(DTYPE_NAMES) + "); or comma-separated key=dtype pairs with keys "
     "p/params, c/compute, o/output (e.g. 'p=f32,c=bf16,o=f32'; params default to float32, "
     "compute follows params, output follows compute); a preset or the pairs may add "
     "r/reduce=f32|bf16|f16, the dtype sharded gradients are reduced in (e.g. "
-    "'mixed_bfloat16,reduce=bf16')."
+    "'mixed_bfloat16,reduce=bf16', 'auto,reduce=bf16')."
 )
 _F32 = jnp.dtype(jnp.float32)
 
@@ -86,6 +94,8 @@ def _normalise(spec: str) -> tuple[str, str]:
     if not text:
         raise _fail(spec, "empty string")
     head, _, rest = text.partition(",")
+    if head.strip() == AUTO:  # the device's choice; a reduce dtype may follow, as for a preset
+        head = _auto_preset()
     if head.strip() in _PRESET_SPECS:  # a preset, perhaps with a reduce dtype after it
         text = _PRESET_SPECS[head.strip()] + ("," + rest if rest else "")
     if "=" not in text:
@@ -112,13 +122,34 @@ def _normalise(spec: str) -> tuple[str, str]:
     return ",".join(parts), reduce
 
 
+def _auto_preset() -> str:
+    policy, _ = hardware.auto_policy()
+    return "mixed_bfloat16" if jnp.dtype(policy.compute_dtype) == jnp.bfloat16 else "float32"
+
+
+def auto_reason(spec: PolicyLike) -> Union[str, None]:
+    """The line saying which policy `"auto"` picked and why, when `spec` names "auto"; else None.
+
+    Example:
+        >>> auto_reason("mixed_bfloat16") is None
+        True
+        >>> auto_reason("auto,reduce=bf16")  # doctest: +SKIP
+        'auto picked mixed_bfloat16: AMD EPYC (avx512_bf16) runs bfloat16 matmuls natively.'
+    """
+    if not isinstance(spec, str) or spec.partition(",")[0].strip() != AUTO:
+        return None
+    return hardware.auto_policy()[1]
+
+
 def get_policy(spec: PolicyLike) -> jmp.Policy:
     """Returns the `jmp.Policy` named by `spec`.
 
     Args:
-        spec: a `jmp.Policy` (returned as is); a preset from `PRESETS`; a dtype name
-            for all three dtypes ("bf16"); or jmp's "p=...,c=...,o=..." grammar, where
-            an omitted output follows compute ("c=f16" computes and returns float16).
+        spec: a `jmp.Policy` (returned as is); a preset from `PRESETS`; "auto" (the
+            preset this device runs fastest: see `auto_reason`); a dtype name for all three
+            dtypes ("bf16"); or jmp's "p=...,c=...,o=..." grammar, where an omitted output
+            follows compute ("c=f16" computes and returns float16). A preset or "auto" may
+            add ",reduce=<dtype>".
 
     Returns:
         The policy, built by `jmp.get_policy`.

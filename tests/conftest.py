@@ -23,3 +23,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Many tests read jaxprs for 16-bit operands into dot_general. On a CPU without native bf16,
+# jamp would lower mixed matmuls as float32 dots of widened 16-bit operands ("upcast"), so the
+# suite pins the "native" form on every machine (subprocesses inherit it); tests/test_hardware.py
+# exercises both forms explicitly. Set JAMP_MATMUL_LOWERING=auto to run the suite unpinned.
+os.environ.setdefault("JAMP_MATMUL_LOWERING", "native")

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import jmp
 import pytest
 
-from jamp import precision
+from jamp import hardware, precision
 from jamp.precision import DTYPE_NAMES, PRESETS, describe, get_policy
 
 F32, F16, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)
@@ -79,6 +79,8 @@ def test_get_policy_passes_policy_through():
         ("f", "'f'"),  # jmp's own error message suggests 'f' for 'full', but jmp refuses it.
         ("BF16", "'BF16'"),
         ("mixed_float8", "'mixed_float8'"),
+        ("AUTO", "'AUTO'"),
+        ("automatic", "'automatic'"),
         ("p=f32=f16", "'f32=f16'"),
         ("p=f32,", "''"),
         ("p=f32,c", "'c'"),
@@ -96,6 +98,7 @@ def test_get_policy_rejects_bad_input_with_one_clear_error(spec, bad_token):
     message = str(info.value)
     assert bad_token in message
     for accepted in (
+        "'auto'",
         "mixed_float16",
         "mixed_bfloat16",
         "p/params",
@@ -160,3 +163,43 @@ def test_get_policy_reduce_errors_are_one_line(spec, needle):
         get_policy(spec)
     assert needle in str(info.value) and "r/reduce" in str(info.value)
     assert "\n" not in str(info.value)
+
+
+_ZEN5 = hardware.parse_cpuinfo("model name : AMD EPYC 9B45\nflags : avx2 avx512_bf16\n")
+_ZEN3 = hardware.parse_cpuinfo("model name : AMD EPYC 7B13\nflags : avx2 fma\n")
+
+
+@pytest.fixture(params=[(_ZEN5, "mixed_bfloat16"), (_ZEN3, "float32")], ids=["bf16", "no_bf16"])
+def fake_cpu(request, monkeypatch):
+    """Makes this machine's CPU look like one with native bf16, or one without; yields the
+    preset "auto" must pick there."""
+    cpu, preset = request.param
+    monkeypatch.setattr(hardware, "read_cpuinfo", lambda: cpu)
+    return preset
+
+
+def test_get_policy_auto_picks_what_the_cpu_runs_natively(fake_cpu):
+    assert _dtypes(get_policy("auto")) == _dtypes(get_policy(fake_cpu))
+    assert _dtypes(get_policy(" auto ")) == _dtypes(get_policy(fake_cpu))
+    assert describe("auto") == describe(fake_cpu)
+    why = precision.auto_reason("auto")
+    assert why == hardware.auto_policy()[1] and f"auto picked {fake_cpu}" in why
+
+
+def test_get_policy_auto_takes_a_reduce_dtype_like_a_preset(fake_cpu):
+    # The wire dtype of sharded gradients is a bandwidth choice, apart from the compute dtype.
+    policy = get_policy("auto,reduce=bf16")
+    assert _dtypes(policy) == _dtypes(get_policy(fake_cpu))
+    assert precision.reduce_dtype(policy) == BF16
+    assert precision.auto_reason("auto,reduce=bf16") == precision.auto_reason("auto")
+
+
+def test_get_policy_auto_refuses_a_second_compute_dtype(fake_cpu):
+    with pytest.raises(ValueError, match="duplicate key 'c'"):
+        get_policy("auto,c=f16")
+
+
+def test_auto_reason_is_none_for_other_specs():
+    for spec in ("mixed_bfloat16", "float32,reduce=bf16", "c=bf16", jmp.get_policy("bf16")):
+        assert precision.auto_reason(spec) is None
+    assert "auto" not in PRESETS  # a choice among presets, not one of them
