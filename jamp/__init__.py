@@ -7,6 +7,8 @@ The public API, all documented in the README:
 * loss scales: `NoOpLossScale`, `StaticLossScale`, `DynamicLossScale`, `loss_scale_for`,
   `all_finite`, `finite_by_group`, `select_tree`;
 * training: `TrainState`, `make_train_step`, `make_eval_step`;
+* the device's 16-bit support: the `jamp.hardware` module (`support`, `auto_policy`,
+  `emulation_warning`, `matmul_lowering`);
 * data parallelism: the `jamp.parallel` module (`replicate`, `unreplicate`, `shard`,
   `make_p_train_step`, `make_p_eval_step`);
 * sharded training on a mesh: the `jamp.sharding` module (`make_mesh`, `shard_state`,
@@ -14,7 +16,7 @@ The public API, all documented in the README:
   `describe`).
 """
 
-from jamp import parallel, sharding
+from jamp import hardware, parallel, sharding
 from jamp.jax_compat import UnsupportedProgramError
 from jamp.loss_scale import (
     DynamicLossScale,
@@ -45,6 +47,7 @@ __all__ = [
     "describe_policy",
     "finite_by_group",
     "get_policy",
+    "hardware",
     "loss_scale_for",
     "make_eval_step",
     "make_train_step",

@@ -21,7 +21,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jamp import data as data_lib
-from jamp import parallel, sharding, tasks
+from jamp import hardware, parallel, sharding, tasks
 from jamp.checkpoint import Checkpointer
 from jamp.inspect.overflow import forward_nonfinite
 from jamp.inspect.profile import profile_steps
@@ -29,7 +29,7 @@ from jamp.metrics import MetricWriter, mean_metrics, peak_memory_mib, summary_ta
 from jamp.models import get_model
 from jamp.optim import make_optimizer
 from jamp.overflow_watch import OverflowLog, OverflowWatch, TrainingDiverged, advice, without_flags
-from jamp.precision import describe, reduce_dtype
+from jamp.precision import auto_reason, describe, reduce_dtype
 from jamp.run_config import (  # noqa: F401 (ConfigError and parse_config are loop's API too)
     ConfigError,
     RunConfig,
@@ -218,6 +218,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
             # CheckpointError if it belongs to another config; damaged newer ones are set aside
             state = ckpt.restore(_restore_target(run, state), set_aside_damaged=True)
             print(f"resuming from the checkpoint at step {int(state.step)}", flush=True)
+        notes = _hardware_notes(config.policy, run.policy)
         start = int(state.step)
         primary = jax.process_index() == 0  # the others hold the same averaged metrics
         with (
@@ -240,6 +241,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
                 t_begin,
                 workdir,
             )
+    summary.update(notes)
     summary["workdir"] = str(workdir)
     if jax.process_index() == 0:
         print(summary_table(summary), flush=True)
@@ -391,6 +393,28 @@ def _profile(run, p_train_step, placement, state, batches, rng, step, workdir):
         print(profile.table(), flush=True)
         print(f"profile written to {workdir / 'profile.png'} and profile.txt", flush=True)
     return state, step + 1 + run.profile_steps
+
+
+def _hardware_notes(spec, policy) -> dict:
+    """Prints which policy "auto" picked and a warning when the policy's 16-bit compute dtype is
+    emulated here (naming the faster choice); returns the summary's rows for both."""
+    picked = auto_reason(spec)
+    warning = hardware.emulation_warning(policy)
+    if jax.process_index() == 0:
+        if picked:
+            print(picked, flush=True)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+    compute = np.dtype(policy.compute_dtype)
+    rows = {"auto policy": picked} if picked else {}
+    if compute != np.float32:
+        support = hardware.support(compute)
+        native = {True: "native", False: "emulated", None: "unknown"}[support.native]
+        lowering = hardware.matmul_lowering(compute)
+        rows["hardware"] = f"{compute.name} {native} on {support.device}; {lowering} matmuls"
+    if warning:
+        rows["warning"] = warning.removeprefix("warning: ")
+    return rows
 
 
 def _say(bar, text):

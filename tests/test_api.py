@@ -22,6 +22,7 @@ PUBLIC = {
     "describe_policy",
     "finite_by_group",
     "get_policy",
+    "hardware",
     "loss_scale_for",
     "make_eval_step",
     "make_train_step",

@@ -142,6 +142,25 @@ def test_train_profile_steps_writes_the_profile_and_trains_as_without(tmp_path, 
     assert _records(plain, "eval")[-1] == _records(profiled, "eval")[-1]
 
 
+def test_train_says_what_auto_picked_and_warns_when_16_bit_is_emulated(tmp_path, data_dir):
+    from jamp import get_policy, hardware
+    from jamp.precision import auto_reason
+
+    # What this machine does decides the lines; the program must print exactly these.
+    expected = hardware.emulation_warning(get_policy("mixed_float16"))
+    out = _smoke("default", tmp_path / "f16", data_dir, "--config.policy=mixed_float16")
+    warnings = [line for line in out.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == ([expected] if expected else [])
+    if expected:  # it names the faster choice, and the summary repeats it
+        assert "faster choice" in expected and expected.removeprefix("warning: ") in out.stdout
+    assert "hardware " in out.stdout and "matmuls" in out.stdout
+    auto = _smoke("default", tmp_path / "auto", data_dir, "--config.policy=auto")
+    picked = auto_reason("auto")
+    assert picked.startswith("auto picked ") and picked in auto.stdout
+    policy = "compute=bfloat16" if "mixed_bfloat16" in picked.split(":")[0] else "float32"
+    assert policy in [line for line in auto.stdout.splitlines() if line.startswith("policy")][0]
+
+
 def test_train_resumes_where_it_stopped(tmp_path, data_dir):
     workdir = tmp_path / "resume"
     _smoke("default", workdir, data_dir, "--config.num_train_steps=6")
