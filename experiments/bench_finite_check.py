@@ -64,20 +64,33 @@ def _state(model, task, tx, batch):
     )
 
 
-def bench(label, rounds, steps):
+VARIANTS = {1: "per module", 0: "single flag"}  # attribution_depth -> name
+
+
+def bench(label, rounds, steps, compile_reps):
     name, config, size = WORKLOADS[label]
     task = "lm" if name == "transformer_lm" else "classification"
     model = jamp.wrap(get_model(name, 256 if task == "lm" else 10, **config), "mixed_float16")
     tx, _ = make_optimizer(OptimConfig(optimizer="adam", learning_rate=1e-3, num_train_steps=10))
     batch = jax.device_put(_batch(task, size))
     key = jax.random.key(0)
-    runners, compile_s, groups = {}, {}, {}
-    for depth, variant in ((1, "per module"), (0, "single flag")):
+    runners, compile_s, groups = {}, {name: [] for name in VARIANTS.values()}, {}
+    # Compile times: median of `reps` compiles per variant, alternating, so that neither variant
+    # is always the first (warm-up) compile.
+    for rep in range(compile_reps):
+        order = list(VARIANTS.items())
+        for depth, variant in order[::-1] if rep % 2 else order:
+            lowered = jax.jit(make_train_step(model, task, tx, depth), donate_argnums=0).lower(
+                _state(model, task, tx, batch), batch, key
+            )
+            start = time.perf_counter()
+            lowered.compile()
+            compile_s[variant].append(time.perf_counter() - start)
+    compile_s = {k: statistics.median(v) for k, v in compile_s.items()}
+    for depth, variant in VARIANTS.items():
         step = make_train_step(model, task, tx, depth)
         state = _state(model, task, tx, batch)
-        start = time.perf_counter()
         compiled = jax.jit(step, donate_argnums=0).lower(state, batch, key).compile()
-        compile_s[variant] = time.perf_counter() - start
         if depth:
             groups[variant] = len(jamp.finite_by_group(state.params))
         holder = {"state": state}
@@ -129,7 +142,8 @@ def report(results, args, elapsed):
         f"- machine: {cpu_description()}, {os.cpu_count()} cores, backend "
         f"{jax.default_backend()}; loadavg at end {load[0]:.2f}",
         f"- versions: jax {jax.__version__}, Python {sys.version.split()[0]}",
-        f"- rounds x steps: {args.rounds} x {args.steps}; wall time {elapsed / 60:.1f} min",
+        f"- rounds x steps: {args.rounds} x {args.steps}; compile s: median of "
+        f"{args.compile_reps} compiles per variant, alternating; wall time {elapsed / 60:.1f} min",
         "- fp32 parts run at jax_default_matmul_precision=DEFAULT (true fp32 on CPU)",
     ]
     return "\n".join(lines) + "\n"
@@ -139,10 +153,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--compile-reps", type=int, default=4)
     p.add_argument("--out", default=str(RESULTS / "finite_check_cpu.md"))
     args = p.parse_args()
     start = time.perf_counter()
-    results = [bench(label, args.rounds, args.steps) for label in WORKLOADS]
+    results = [bench(label, args.rounds, args.steps, args.compile_reps) for label in WORKLOADS]
     text = report(results, args, time.perf_counter() - start)
     print(text)
     pathlib.Path(args.out).write_text(text)
