@@ -138,10 +138,11 @@ def _cpu_support(dtype: np.dtype, cpu: CpuInfo) -> tuple[Optional[bool], str]:
             f"bfloat16 x bfloat16 -> float32 matmuls run on {'/'.join(have)}, "
             "so a bfloat16 policy's matmuls are faster than float32's."
         )
-    if have:  # float16: XLA:CPU's fast matmul kernels (YNNPACK) take bfloat16, not float16, yet
-        return True, (
-            f"the CPU has float16 instructions ({'/'.join(have)}), but XLA:CPU may still convert "
-            "float16 matmuls to float32."
+    if have:  # float16: the instructions exist, but XLA:CPU has no float16 matmul kernels
+        return False, (
+            f"the CPU has float16 instructions ({'/'.join(have)}), but XLA:CPU converts float16 "
+            "matmuls to float32 (it has no float16 kernels), so a float16 policy is no faster "
+            "than float32 here."
         )
     wanted = "/".join(CPU_FLAGS[dtype.name][:2])
     return False, (
@@ -351,10 +352,12 @@ def matmul_lowering(compute_dtype, device=None, *, cpu=None) -> str:
     """How mixed matmuls in `compute_dtype` are lowered: "native" or "upcast".
 
     A pin (`pinned_lowering`, else ``$JAMP_MATMUL_LOWERING``) wins; otherwise CPUs without
-    native matmuls for `compute_dtype` (`support`, unknown included) get "upcast": there a
-    16-bit dot is converted to float32 or lands on slow emulating kernels, so jamp widens the
-    operands itself and runs float32's fast kernels (experiments/results/lowering_cpu.md).
-    Every other device gets "native" (GPU compilers emulate what their hardware lacks).
+    native matmuls for `compute_dtype` (`support`, unknown included) get "upcast": jamp widens
+    the 16-bit operands itself and runs a float32 dot, which uses the kernels float32 uses,
+    instead of leaving a 16-bit dot to be converted or emulated. That this is the faster form
+    on such a CPU is inferred from the compiled programs, not yet timed on one
+    (experiments/results/lowering_cpu.md). Every other device gets "native" (GPU compilers
+    emulate what their hardware lacks).
     `device` and `cpu` are as for `support`.
 
     Example:
@@ -364,7 +367,9 @@ def matmul_lowering(compute_dtype, device=None, *, cpu=None) -> str:
         ...     matmul_lowering(jnp.bfloat16, jax.devices("cpu")[0], cpu=zen3)
         'upcast'
     """
-    name = _pinned[0] or _check_lowering(os.environ.get(LOWERING_ENV, "auto").strip() or "auto")
+    name = _pinned[0] or os.environ.get(LOWERING_ENV, "auto").strip() or "auto"
+    if name not in LOWERINGS:
+        raise ValueError(f"{LOWERING_ENV}={name!r} is not one of {', '.join(LOWERINGS)}")
     if name != "auto":
         return name
     s = support(compute_dtype, device, cpu=cpu)
