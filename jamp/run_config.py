@@ -22,7 +22,7 @@ import numpy as np
 
 from jamp import activations as activations_lib
 from jamp import data as data_lib
-from jamp import sharding
+from jamp import hardware, sharding
 from jamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jamp.models import model_task
 from jamp.optim import OptimConfig
@@ -124,6 +124,7 @@ def parse_config(config: ml_collections.ConfigDict):
         )
     try:
         policy = get_policy(config.policy)
+        hardware.matmul_lowering(policy.compute_dtype)  # a bad $JAMP_MATMUL_LOWERING, now
         activations_lib.resolve(config.activations)
         loss_scale = _make_loss_scale(config.loss_scale, config.loss_scale_params, policy)
         task = model_task(config.model)

@@ -228,6 +228,21 @@ def test_train_bad_input_is_one_line_and_nonzero_exit(args, needle, tmp_path, da
     assert not workdir.exists() or not any(workdir.iterdir())
 
 
+def test_train_bad_matmul_lowering_variable_is_one_line(tmp_path, data_dir):
+    env = {**cli_env(1), "JAMP_MATMUL_LOWERING": "fast"}
+    out = subprocess.run(
+        [sys.executable, "-m", "jamp.train", f"--workdir={tmp_path / 'w'}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1 and "JAMP_MATMUL_LOWERING" in lines[0]
+    assert not (tmp_path / "w").exists()
+
+
 def test_train_unwritable_workdir_is_one_line(tmp_path, data_dir):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
