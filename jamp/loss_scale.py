@@ -314,13 +314,6 @@ def all_finite(tree: Any) -> jax.Array:
     return jmp.all_finite(tree)
 
 
-def _key_name(key) -> str:
-    for field in ("key", "name", "idx"):  # DictKey, GetAttrKey, SequenceKey / FlattenedIndexKey
-        if hasattr(key, field):
-            return str(getattr(key, field))
-    return str(key)
-
-
 def _group_names(paths: list[tuple[str, ...]], depth: int) -> list[str]:
     """The group of each leaf path: its first `depth` branching levels, joined by "/".
 
@@ -365,7 +358,7 @@ def finite_by_group(tree: Any, depth: int = 1) -> dict[str, jax.Array]:
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth!r}.")
     with_paths, _ = jax.tree_util.tree_flatten_with_path(tree)
-    paths = [tuple(_key_name(k) for k in path) for path, _ in with_paths]
+    paths = [tuple(jax.tree_util.keystr((k,), simple=True) for k in path) for path, _ in with_paths]
     groups: dict[str, list[jax.Array]] = {}
     for name, (_, leaf) in zip(_group_names(paths, depth), with_paths):
         leaf = jnp.asarray(leaf)

@@ -235,13 +235,25 @@ class MetricWriter:
         self.close()
 
 
+def _flat(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested metrics (the step's `grads_finite_by_module`) as "name/key" scalars."""
+    flat = {}
+    for name, value in record.items():
+        if isinstance(value, Mapping):
+            flat.update(_flat(value, f"{prefix}{name}/"))
+        else:
+            flat[f"{prefix}{name}"] = value
+    return flat
+
+
 def mean_metrics(records: Sequence[Mapping[str, Any]]) -> dict[str, float | int]:
     """Reduces a window of per-step metric dicts (already on the host) to one record.
 
     Keys in `LAST_VALUE_KEYS` ("loss_scale", "skipped_steps", "step") take their last value;
     every other key takes the mean over the records that have it, in float64 (booleans such as
     "grads_finite" become the fraction of True), over the steps where the value is finite; a key
-    with no finite value in the window keeps the last (nan or inf) value.
+    with no finite value in the window keeps the last (nan or inf) value. Nested dicts (the
+    step's "grads_finite_by_module") become "name/key" entries.
 
     Args:
         records: per-step dicts of scalars (numpy, jax or Python), oldest first. A value with a
@@ -256,6 +268,7 @@ def mean_metrics(records: Sequence[Mapping[str, Any]]) -> dict[str, float | int]
         {'loss': 2.0, 'skipped_steps': 1}
     """
     out: dict[str, float | int] = {}
+    records = [_flat(record) for record in records]
     names = list(dict.fromkeys(name for record in records for name in record))
     for name in names:
         values = [np.asarray(r[name]) for r in records if name in r]

@@ -242,6 +242,18 @@ def test_mean_metrics_means_and_last_values():
     assert LAST_VALUE_KEYS == {"loss_scale", "skipped_steps", "step"}
 
 
+def test_mean_metrics_flattens_the_per_module_flags():
+    window = [
+        {"loss": 1.0, "grads_finite_by_module": {"a": True, "b": False}},
+        {"loss": 3.0, "grads_finite_by_module": {"a": True, "b": True}},
+    ]
+    assert mean_metrics(window) == {
+        "loss": 2.0,
+        "grads_finite_by_module/a": 1.0,
+        "grads_finite_by_module/b": 0.5,
+    }
+
+
 def test_mean_metrics_edge_cases():
     assert mean_metrics([]) == {}
     out = mean_metrics([{"loss": np.float32(np.nan)}, {"loss": 1.0, "accuracy": 0.5}])

@@ -103,7 +103,10 @@ def _flags(tree, prefix=()) -> dict[str, jax.Array]:
         if key == _CALL:
             leaves = [jnp.asarray(x) for x in jax.tree.leaves(value)]
             leaves = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
-            flags["/".join(prefix)] = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+            if leaves:  # a module returning only integers (an argmax) cannot overflow
+                flags["/".join(prefix)] = jnp.all(
+                    jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
+                )
         else:
             flags.update(_flags(value, prefix + (str(key),)))
     return flags
@@ -123,12 +126,19 @@ def forward_nonfinite(model: nn.Module, variables, *args, **kwargs) -> ForwardNo
       A `ForwardNonfinite` naming the modules whose outputs were not finite, in call order.
     """
     dynamic, static = _split_kwargs(kwargs)
-    key = (id(model), static, jax.tree.structure((variables, args, dynamic)))
-    if key not in _COMPILED:  # one compile per model and call signature, not per overflow
+    key = (static, jax.tree.structure((variables, args, dynamic)))
+    try:
+        hash(key)
+    except TypeError:  # an unhashable static argument: its text tells calls apart as well
+        key = repr(key)
+    cached = _COMPILED.get(key)
+    if cached is None or cached[0] is not model:  # one compile per model and call signature
         inner = model.module if isinstance(model, Wrapped) else model
         order = _call_order(inner, variables, args, dynamic, static)
-        _COMPILED[key] = (order, jax.jit(functools.partial(_check, model, static)))
-    order, check = _COMPILED[key]
+        if len(_COMPILED) >= 8:  # a few signatures at a time; forget the oldest
+            _COMPILED.pop(next(iter(_COMPILED)))
+        cached = _COMPILED[key] = (model, order, jax.jit(functools.partial(_check, model, static)))
+    _, order, check = cached
     out_finite, flags = jax.device_get(check(variables, args, dynamic))
     rank = {path: i for i, path in enumerate(order)}
     bad = sorted((p for p, ok in flags.items() if not np.all(ok)), key=lambda p: rank.get(p, -1))
