@@ -21,15 +21,18 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jamp import data as data_lib
-from jamp import hardware, parallel, sharding, tasks
+from jamp import parallel, run_log, sharding, tasks
 from jamp.checkpoint import Checkpointer
-from jamp.inspect.overflow import forward_nonfinite
-from jamp.inspect.profile import profile_steps
 from jamp.metrics import MetricWriter, mean_metrics, peak_memory_mib, summary_table
 from jamp.models import get_model
 from jamp.optim import make_optimizer
-from jamp.overflow_watch import OverflowLog, OverflowWatch, TrainingDiverged, advice, without_flags
-from jamp.precision import auto_reason, describe, reduce_dtype
+from jamp.overflow_watch import (  # noqa: F401 (TrainingDiverged is loop's API too)
+    OverflowLog,
+    OverflowWatch,
+    TrainingDiverged,
+    without_flags,
+)
+from jamp.precision import describe, reduce_dtype
 from jamp.run_config import (  # noqa: F401 (ConfigError and parse_config are loop's API too)
     ConfigError,
     RunConfig,
@@ -218,7 +221,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
             # CheckpointError if it belongs to another config; damaged newer ones are set aside
             state = ckpt.restore(_restore_target(run, state), set_aside_damaged=True)
             print(f"resuming from the checkpoint at step {int(state.step)}", flush=True)
-        notes = _hardware_notes(config.policy, run.policy)
+        notes = run_log.hardware_notes(config.policy, run.policy)
         start = int(state.step)
         primary = jax.process_index() == 0  # the others hold the same averaged metrics
         with (
@@ -290,7 +293,9 @@ def _train(
     overflows = OverflowLog()  # which modules overflowed, for the log lines and the summary
     step = start
     if run.profile_steps:
-        state, step = _profile(run, p_train_step, placement, state, batches, rng, step, workdir)
+        state, step = run_log.profile_first_steps(
+            run, p_train_step, placement, state, batches, rng, step, workdir
+        )
         if bar is not None:
             bar.update(step - start)
         window_start = time.perf_counter()
@@ -305,16 +310,18 @@ def _train(
             bar.update(1)
         if run.trace_nonfinite and not bool(np.all(jax.device_get(metrics["grads_finite"]))):
             # Costs a wait for the device every step, and a forward pass on skipped ones only.
-            _trace_overflow(model, task, placement.host(state), batch, rng, step, writer, bar)
+            run_log.trace_overflow(
+                model, task, placement.host(state), batch, rng, step, writer, bar
+            )
         if step == start + 1:  # the first step compiles: keep it out of the throughput
             first = [jax.device_get(placement.fetch(metrics))]
-            _note_overflows(overflows, first, step, writer, bar)
-            _watch_overflow(overflow, first, step, run, bar)
+            run_log.note_overflows(overflows, first, step, writer, bar)
+            run_log.watch_overflow(overflow, first, step, run, bar)
             window_start, wait, pending = time.perf_counter(), 0.0, []
             continue
         if step % run.log_every_steps == 0 or step == run.num_train_steps:
             window = [placement.fetch(m) for m in jax.device_get(pending)]
-            counts = _note_overflows(overflows, window, step, writer, bar)
+            counts = run_log.note_overflows(overflows, window, step, writer, bar)
             record = mean_metrics([without_flags(m) for m in window])
             record.update({f"nonfinite/{name}": n for name, n in counts.items()})
             elapsed = time.perf_counter() - window_start
@@ -323,8 +330,8 @@ def _train(
             record["learning_rate"] = float(schedule(step - record.get("skipped_steps", 0)))
             writer.write(step, record, kind="train")
             steps_timed, time_timed = steps_timed + len(pending), time_timed + elapsed
-            _show(bar, step, record, counts)
-            _watch_overflow(overflow, window, step, run, bar)
+            run_log.show_progress(bar, step, record, counts)
+            run_log.watch_overflow(overflow, window, step, run, bar)
             pending, window_start, wait = [], time.perf_counter(), 0.0
         hook_start = time.perf_counter()
         if step % run.eval_every_steps == 0 and step < run.num_train_steps:
@@ -352,123 +359,6 @@ def _train(
     )
     summary["overflowing modules"] = overflows.most_frequent() or "none"
     return summary
-
-
-def _show(bar, step, record, counts):
-    text = (
-        f"loss {record['loss']:.4f}  scale {record['loss_scale']:g}  "
-        f"{record['examples_per_sec']:.0f} ex/s"
-    )
-    if counts:  # the modules whose gradients overflowed in this window, most often first
-        worst = sorted(counts, key=counts.get, reverse=True)
-        text += f"  overflow: {', '.join(worst[:3])}" + (" ..." if len(worst) > 3 else "")
-    if bar is not None:
-        bar.set_postfix_str(text)
-    elif jax.process_index() == 0:
-        print(f"step {step}  {text}", flush=True)
-
-
-def _profile(run, p_train_step, placement, state, batches, rng, step, workdir):
-    """Runs the first steps under the profiler (profile_steps): one warm-up step, then
-    `run.profile_steps` profiled ones; they are training steps like any other (same batches, same
-    updates), only their metrics are not logged. Writes profile.txt / .png / .json."""
-    if step + 1 + run.profile_steps > run.num_train_steps:
-        print(
-            f"profile_steps: {run.num_train_steps - step} steps left, fewer than the "
-            f"{run.profile_steps} + 1 warm-up to profile; not profiling",
-            flush=True,
-        )
-        return state, step
-    device_batches = (placement.batch(b) for b in batches)
-    state, profile = profile_steps(
-        p_train_step,
-        state,
-        device_batches,
-        run.profile_steps,
-        rng=rng,
-        logdir=workdir / "profile_trace",  # for TensorBoard's / XProf's own viewers
-    )
-    if jax.process_index() == 0:
-        profile.save(workdir)
-        print(profile.table(), flush=True)
-        print(f"profile written to {workdir / 'profile.png'} and profile.txt", flush=True)
-    return state, step + 1 + run.profile_steps
-
-
-def _hardware_notes(spec, policy) -> dict:
-    """Prints which policy "auto" picked and a warning when the policy's 16-bit compute dtype is
-    emulated here (naming the faster choice); returns the summary's rows for both."""
-    picked = auto_reason(spec)
-    warning = hardware.emulation_warning(policy)
-    if jax.process_index() == 0:
-        if picked:
-            print(picked, flush=True)
-        if warning:
-            print(warning, file=sys.stderr, flush=True)
-    compute = np.dtype(policy.compute_dtype)
-    rows = {"auto policy": picked} if picked else {}
-    if compute != np.float32:
-        support = hardware.support(compute)
-        native = {True: "native", False: "emulated", None: "unknown"}[support.native]
-        lowering = hardware.matmul_lowering(compute)
-        rows["hardware"] = f"{compute.name} {native} on {support.device}; {lowering} matmuls"
-    if warning:
-        rows["warning"] = warning.removeprefix("warning: ")
-    return rows
-
-
-def _say(bar, text):
-    if jax.process_index() != 0:  # every process sees the same averaged metrics
-        return
-    if bar is not None:
-        bar.write(text, file=sys.stderr)
-    else:
-        print(text, file=sys.stderr, flush=True)
-
-
-def _note_overflows(log, window, step, writer, bar) -> dict[str, int]:
-    """Logs the skipped steps of a window (the last being `step`) with the modules whose
-    gradients were non-finite; returns how many of those steps each module overflowed in."""
-    events = log.update(window, first_step=step - len(window) + 1)
-    counts: dict[str, int] = {}
-    for at, names in events:
-        writer.write_event(at, "overflow", grads_nonfinite=names)
-        for name in names:
-            counts[name] = counts.get(name, 0) + 1
-    if events:
-        steps = ", ".join(str(at) for at, _ in events[:5]) + (" ..." if len(events) > 5 else "")
-        worst = ", ".join(f"{n} ({c})" for n, c in sorted(counts.items(), key=lambda x: -x[1]))
-        _say(bar, f"step {steps}: skipped, non-finite gradients in {worst}")
-    return counts
-
-
-def _trace_overflow(model, task, host_state, batch, rng, step, writer, bar):
-    """Re-runs a skipped step's batch forward, every module's output checked (trace_nonfinite)."""
-    variables = {"params": host_state.params, **host_state.model_state}
-    # The step's own dropout key also folded in the replica index: masks may differ.
-    key = jax.random.fold_in(rng, step - 1)
-    found = forward_nonfinite(
-        model, variables, tasks.model_inputs(task, batch), train=True, rngs={"dropout": key}
-    )
-    writer.write_event(step, "overflow_trace", forward_nonfinite=list(found.modules))
-    _say(bar, f"step {step}: skipped; {found.describe()}")
-
-
-def _watch_overflow(watch, window, step, run, bar):
-    """Stops or warns when the last steps were all skipped with the loss scale at its floor."""
-    message = watch.update(window, step)
-    if message is None:
-        return
-    if run.on_persistent_overflow == "stop":
-        if bar is not None:
-            bar.close()
-        raise TrainingDiverged(f"training stopped at {message}; {advice()}")
-    if jax.process_index() == 0:  # every process sees the same averaged metrics
-        text = f"warning: {message}; continuing as on_persistent_overflow=warn asks; {advice()}"
-        if bar is not None:
-            bar.write(text, file=sys.stderr)
-        else:
-            print(text, file=sys.stderr, flush=True)
 
 
 def _summary(run, task, state, step, eval_metrics, steps_timed, time_timed, dataset, t_begin):

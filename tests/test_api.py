@@ -57,6 +57,7 @@ RANK = {
     "tasks": 4,
     "run_config": 5,
     "inspect": 5,  # library: see test_api_inspect_imports_no_training_program
+    "run_log": 5.5,
     "loop": 6,
     "train": 7,
 }

@@ -1,0 +1,134 @@
+"""What the training program tells its user while it runs: the progress line, skipped steps and
+the modules that overflowed, the persistent-overflow stop, the profile of the first steps, and
+the device's 16-bit support. Split from `jamp.loop`, which calls these at its log points.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import numpy as np
+
+from jamp import hardware, tasks
+from jamp.inspect.overflow import forward_nonfinite
+from jamp.inspect.profile import profile_steps
+from jamp.overflow_watch import TrainingDiverged, advice
+from jamp.precision import auto_reason
+
+
+def show_progress(bar, step, record, counts):
+    text = (
+        f"loss {record['loss']:.4f}  scale {record['loss_scale']:g}  "
+        f"{record['examples_per_sec']:.0f} ex/s"
+    )
+    if counts:  # the modules whose gradients overflowed in this window, most often first
+        worst = sorted(counts, key=counts.get, reverse=True)
+        text += f"  overflow: {', '.join(worst[:3])}" + (" ..." if len(worst) > 3 else "")
+    if bar is not None:
+        bar.set_postfix_str(text)
+    elif jax.process_index() == 0:
+        print(f"step {step}  {text}", flush=True)
+
+
+def profile_first_steps(run, p_train_step, placement, state, batches, rng, step, workdir):
+    """Runs the first steps under the profiler (profile_steps): one warm-up step, then
+    `run.profile_steps` profiled ones; they are training steps like any other (same batches, same
+    updates), only their metrics are not logged. Writes profile.txt / .png / .json."""
+    if step + 1 + run.profile_steps > run.num_train_steps:
+        print(
+            f"profile_steps: {run.num_train_steps - step} steps left, fewer than the "
+            f"{run.profile_steps} + 1 warm-up to profile; not profiling",
+            flush=True,
+        )
+        return state, step
+    device_batches = (placement.batch(b) for b in batches)
+    state, profile = profile_steps(
+        p_train_step,
+        state,
+        device_batches,
+        run.profile_steps,
+        rng=rng,
+        logdir=workdir / "profile_trace",  # for TensorBoard's / XProf's own viewers
+    )
+    if jax.process_index() == 0:
+        profile.save(workdir)
+        print(profile.table(), flush=True)
+        print(f"profile written to {workdir / 'profile.png'} and profile.txt", flush=True)
+    return state, step + 1 + run.profile_steps
+
+
+def hardware_notes(spec, policy) -> dict:
+    """Prints which policy "auto" picked and a warning when the policy's 16-bit compute dtype is
+    emulated here (naming the faster choice); returns the summary's rows for both."""
+    picked = auto_reason(spec)
+    warning = hardware.emulation_warning(policy)
+    if jax.process_index() == 0:
+        if picked:
+            print(picked, flush=True)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+    compute = np.dtype(policy.compute_dtype)
+    rows = {"auto policy": picked} if picked else {}
+    if compute != np.float32:
+        support = hardware.support(compute)
+        native = {True: "native", False: "emulated", None: "unknown"}[support.native]
+        lowering = hardware.matmul_lowering(compute)
+        rows["hardware"] = f"{compute.name} {native} on {support.device}; {lowering} matmuls"
+    if warning:
+        rows["warning"] = warning.removeprefix("warning: ")
+    return rows
+
+
+def say(bar, text):
+    if jax.process_index() != 0:  # every process sees the same averaged metrics
+        return
+    if bar is not None:
+        bar.write(text, file=sys.stderr)
+    else:
+        print(text, file=sys.stderr, flush=True)
+
+
+def note_overflows(log, window, step, writer, bar) -> dict[str, int]:
+    """Logs the skipped steps of a window (the last being `step`) with the modules whose
+    gradients were non-finite; returns how many of those steps each module overflowed in."""
+    events = log.update(window, first_step=step - len(window) + 1)
+    counts: dict[str, int] = {}
+    for at, names in events:
+        writer.write_event(at, "overflow", grads_nonfinite=names)
+        for name in names:
+            counts[name] = counts.get(name, 0) + 1
+    if events:
+        steps = ", ".join(str(at) for at, _ in events[:5]) + (" ..." if len(events) > 5 else "")
+        worst = ", ".join(f"{n} ({c})" for n, c in sorted(counts.items(), key=lambda x: -x[1]))
+        say(bar, f"step {steps}: skipped, non-finite gradients in {worst}")
+    return counts
+
+
+def trace_overflow(model, task, host_state, batch, rng, step, writer, bar):
+    """Re-runs a skipped step's batch forward, every module's output checked (trace_nonfinite)."""
+    variables = {"params": host_state.params, **host_state.model_state}
+    # The step's own dropout key also folded in the replica index: masks may differ.
+    key = jax.random.fold_in(rng, step - 1)
+    found = forward_nonfinite(
+        model, variables, tasks.model_inputs(task, batch), train=True, rngs={"dropout": key}
+    )
+    writer.write_event(step, "overflow_trace", forward_nonfinite=list(found.modules))
+    say(bar, f"step {step}: skipped; {found.describe()}")
+
+
+def watch_overflow(watch, window, step, run, bar):
+    """Stops or warns when the last steps were all skipped with the loss scale at its floor."""
+    message = watch.update(window, step)
+    if message is None:
+        return
+    if run.on_persistent_overflow == "stop":
+        if bar is not None:
+            bar.close()
+        raise TrainingDiverged(f"training stopped at {message}; {advice()}")
+    if jax.process_index() == 0:  # every process sees the same averaged metrics
+        text = f"warning: {message}; continuing as on_persistent_overflow=warn asks; {advice()}"
+        if bar is not None:
+            bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
