@@ -309,6 +309,9 @@ def _best_of(run):
 def test_profile_steps_dense_matmuls_carry_the_policy_dtype(policy, matmul, other_matmul, tmp_path):
     loss_fn, tx, state, batch = _setup(policy, batch_size=1024)
     step = jax.jit(jamp.make_train_step(loss_fn, tx), donate_argnums=(0,))
+    if policy != "float32" and not _runs_16_bit_dots(step, state, batch):
+        # XLA:CPU widened the bf16 dots on this CPU: the profile reports what ran.
+        matmul, other_matmul = other_matmul, matmul
     drawn = []
 
     def batches():
@@ -349,6 +352,12 @@ def test_profile_steps_dense_matmuls_carry_the_policy_dtype(policy, matmul, othe
     assert list((tmp_path / "trace").rglob("*.xplane.pb"))  # the trace is kept in logdir
 
 
+def _runs_16_bit_dots(step, *args) -> bool:
+    """Whether the compiled program (not the jaxpr) has matmuls with 16-bit operands."""
+    ops = HloOps(step.lower(*args, jax.random.key(1)).compile().as_text())
+    return any(ops.op(name).op_class == "matmul 16-bit" for name in ops._instrs)
+
+
 def test_profile_steps_pmapped_step_counts_its_all_reduce():
     loss_fn, tx, state, batch = _setup("mixed_bfloat16", batch_size=8 * 32)
     p_step = parallel.make_p_train_step(
@@ -364,9 +373,10 @@ def test_profile_steps_pmapped_step_counts_its_all_reduce():
         )
         return prof
 
+    ran = "matmul 16-bit" if _runs_16_bit_dots(p_step, state, placed) else "matmul fp32"
     prof = _best_of(run)
     assert ("(update)", "collective") in {(r.module, r.op_class) for r in prof.rows}
-    assert {r.module for r in prof.rows if r.op_class == "matmul 16-bit"} == {"Dense_0", "Dense_1"}
+    assert {r.module for r in prof.rows if r.op_class == ran} == {"Dense_0", "Dense_1"}
     assert MIN_FRACTION <= prof.attributed_fraction <= 1.02, prof.table()
 
 

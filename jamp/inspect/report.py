@@ -40,7 +40,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jamp import activations as act
-from jamp import hlo
+from jamp import hardware, hlo
 from jamp.inspect import _paths, _walk
 from jamp.inspect._compiled import Gemm, compiled_gemms
 from jamp.inspect._walk import MatmulKind
@@ -234,10 +234,6 @@ def _gemm_hazards(report: Report, gemms: list[Gemm]) -> list[Hazard]:
 
 def _hardware(compute: Optional[np.dtype]) -> tuple[Optional[str], list[Hazard]]:
     """The hardware line, and a hazard when the compute dtype is only emulated here."""
-    try:
-        from jamp import hardware  # written alongside; the report works without it
-    except ImportError:
-        return None, []
     s = hardware.support(np.dtype(compute) if compute is not None else np.dtype(np.float32))
     native = {True: "native", False: "emulated", None: "unknown"}[s.native]
     line = f"{np.dtype(s.dtype).name} on {s.device}: {native}; {s.detail}"
