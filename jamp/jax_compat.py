@@ -19,6 +19,10 @@ Differences between the supported releases (JAX 0.10 to 0.12), and how each is r
   fused computations): `jamp.autocast` therefore runs a function as written when its rewrite would
   change nothing (the float32 policy on a float32 model).
 
+* A convolution's transposes are JAX's own rules (`conv_transposes`); reached through `jax.vjp`
+  they widen 16-bit operands to an fp32 cotangent's dtype, so jamp calls them directly (the
+  same private signature from 0.10 to 0.12) to keep 16-bit operands with an fp32 result.
+
 Stable across the range, read through the public `jax.extend.core`: `Jaxpr`, `ClosedJaxpr`,
 `Literal`, `DropVar`, `jaxprs_in_params`; `while` (`cond_nconsts`, `body_nconsts`), `cond`
 (`branches`), `remat2` (`jaxpr`, `prevent_cse`, `policy`), `custom_jvp_call` (`call_jaxpr`) and
@@ -31,6 +35,7 @@ import contextlib
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend import core as jcore
 
 JAX_VERSION: str = jax.__version__
@@ -123,3 +128,32 @@ def shard_map_like(eqn: jcore.JaxprEqn, body):
 def _first_present(eqn: jcore.JaxprEqn, *names: str) -> str:
     # The first of `names` that the equation has (the last one if none, for `param`'s error).
     return next((n for n in names if n in eqn.params), names[-1])
+
+
+def conv_transposes(g, lhs, rhs, params, lhs_dtype, rhs_dtype):
+    """The gradients of `conv_general_dilated(lhs, rhs, **params)` for the cotangent `g`.
+
+    Each is one convolution on the operands as given (16-bit, say) whose result comes back in
+    `lhs_dtype` / `rhs_dtype` (its `preferred_element_type`, float32 say), by JAX's own
+    transpose rules, which know the windows, dilations and groups.
+    """
+    from jax._src.interpreters import ad
+    from jax._src.lax import convolution
+
+    kwargs = {k: v for k, v in dict(params).items() if k != "preferred_element_type"}
+    kwargs.setdefault("out_sharding", None)
+    d_lhs = convolution._conv_general_dilated_transpose_lhs(
+        g,
+        ad.UndefinedPrimal(lhs.aval.update(dtype=np.dtype(lhs_dtype))),
+        rhs,
+        preferred_element_type=np.dtype(lhs_dtype),
+        **kwargs,
+    )
+    d_rhs = convolution._conv_general_dilated_transpose_rhs(
+        g,
+        lhs,
+        ad.UndefinedPrimal(rhs.aval.update(dtype=np.dtype(rhs_dtype))),
+        preferred_element_type=np.dtype(rhs_dtype),
+        **kwargs,
+    )
+    return d_lhs, d_rhs

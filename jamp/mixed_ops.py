@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jamp import hardware
+from jamp import hardware, jax_compat
 
 # Accumulate in float32: 16-bit accumulation loses the small terms of long sums.
 _ACC = np.dtype(jnp.float32)
@@ -239,11 +239,12 @@ def _conv_bwd(params, compute_dtype, out_dtype, placed, residuals, g):
     del out_dtype
     lhs_c, rhs_c, lhs_like, rhs_like = residuals
     # Convolution transposes are convolutions with rearranged windows; JAX's own rules get those
-    # right. Running them on a compute-dtype cotangent keeps every backward operand 16-bit; XLA
-    # accumulates these convolutions in fp32 internally and returns the compute dtype, which is
-    # therefore also the dtype a sharded kernel's gradient is reduced in.
-    _, vjp = jax.vjp(lambda x, w: _conv(x, w, params, None), lhs_c, rhs_c)
-    d_lhs, d_rhs = vjp(g.astype(compute_dtype))
+    # right. Run on a compute-dtype cotangent, every backward operand is 16-bit, and asking for
+    # fp32 results (the kernel's in its reduce dtype) keeps a scaled weight gradient, a sum over
+    # the whole batch, from having to fit in fp16.
+    d_lhs, d_rhs = jax_compat.conv_transposes(
+        g.astype(compute_dtype), lhs_c, rhs_c, params, _ACC, _grad_acc(placed[1])
+    )
     return (
         _to_operand(d_lhs, lhs_like.dtype, placed[0]),
         _to_operand(d_rhs, rhs_like.dtype, placed[1]),
@@ -377,17 +378,16 @@ _patch_conv.defvjp(_patch_conv_fwd, _patch_conv_bwd)
 
 
 def mixed_conv(lhs, rhs, params, compute_dtype, out_dtype, placed=_UNPLACED):
-    """`lax.conv_general_dilated` on operands cast to `compute_dtype`.
+    """`lax.conv_general_dilated` on operands cast to `compute_dtype`, accumulated in fp32.
 
     Args:
       lhs, rhs: floating input and kernel, any dtype.
       params: the `conv_general_dilated` primitive's parameters, as a mapping (its
         `preferred_element_type` is replaced).
-      compute_dtype: dtype of the operands of the forward and backward convolutions.
+      compute_dtype: dtype of the operands of the forward and backward convolutions; all
+        three return fp32 (a sharded kernel's gradient: its reduce dtype).
       out_dtype: dtype of the result.
-      placed: per operand, a `Placed` or None, as for `mixed_dot_general`. (A sharded kernel's
-        gradient leaves XLA's backward convolution in the compute dtype, whatever the reduce
-        dtype; the patch-matmul lowering honours it.)
+      placed: per operand, a `Placed` or None, as for `mixed_dot_general`.
 
     Returns:
       The convolution, in `out_dtype`; gradients come back in the operands' own dtypes.

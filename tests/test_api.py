@@ -34,7 +34,7 @@ PUBLIC = {
 
 # Imports point downward only: a module may import jamp modules of a strictly lower rank.
 RANK = {
-    "jax_compat": 0,
+    "jax_compat": -1,  # below mixed_ops, which calls its convolution transposes
     "precision": 0,
     "mixed_ops": 0,
     "activations": 0,

@@ -106,11 +106,30 @@ def test_mixed_conv_matches_autodiff_of_rounded_operands(case, compute, jit):
     assert out.shape == ref_out.shape and d_lhs.shape == lhs.shape and d_rhs.shape == rhs.shape
     # The forward sums exact products of rounded operands in fp32: equal up to summation order.
     np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
-    # Backward: the patch lowering returns fp32 sums; the native path rounds results to `compute`.
-    tol = 1e-5 if _lowered(lhs, rhs, kwargs) else 1.5 * float(jnp.finfo(compute).eps)
+    # Backward: both lowerings return fp32 sums of exact products of rounded operands.
+    tol = 1e-5
     for got, ref in ((d_lhs, ref_lhs), (d_rhs, ref_rhs)):
         scale = float(jnp.max(jnp.abs(ref)))
         assert float(jnp.max(jnp.abs(got - ref))) <= tol * scale, case
+
+
+def test_mixed_conv_backward_convolutions_take_16_bit_operands_and_give_fp32():
+    # A scaled weight gradient sums the whole batch: in fp16 it could overflow at 65504 even
+    # where every term fits, so the transposed convolutions ask for fp32 results.
+    lhs, rhs, cot, kwargs = _inputs("many_channels_native")
+    jaxpr = jax.make_jaxpr(_mixed, static_argnums=(3, 4))(lhs, rhs, cot, _Hashable(kwargs), F16)
+    convs = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "conv_general_dilated"]
+    assert len(convs) == 3  # the forward and the two transposes
+    for eqn in convs:
+        assert [v.aval.dtype for v in eqn.invars] == [F16, F16]
+        assert eqn.outvars[0].aval.dtype == F32
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _all_eqns(sub)
 
 
 def _lowered(lhs, rhs, kwargs):
