@@ -5,8 +5,8 @@ The two runs see the same global batches and average over the same 4 devices, so
 same model; they are not bit-identical because gloo sums the 4 gradients in another order than
 XLA's in-process all-reduce. That fp32 round-off (1e-7 relative in the averaged gradient) is then
 magnified by the fp16 policy, whose casts of the params to fp16 round differently once a param
-differs in its last fp32 bit: after 12 Adam steps of 1e-3 the params differ by ~2e-6, and by up
-to 5e-5 in one output channel (see PARAM_ATOL).
+differs in its last fp32 bit, and by Adam where a gradient is near zero: after 12 Adam steps of
+1e-3 the params differ by ~2e-6, and by up to ~3e-4 in a few weights (see PARAM_RTOL).
 A real fault (a process reading the wrong slice, no averaging across processes) changes every
 update by the order of the learning rate.
 
@@ -41,13 +41,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMOKE = ["--config=configs/synthetic.py:smoke", "--config.image_shape=(8, 8, 1)"]
 STEPS = 12  # the smoke variant's num_train_steps
 TIMEOUT = 240  # seconds for one run of the program, start-up and compiles included
-# Params of the fp16 runs agree to ~2e-6 here (see the module docstring), except where the
-# chaos of fp16 rounding moves a whole output channel: since the first convolution's weight
-# gradient comes back in fp32 (its patch-matmul lowering), one channel of the second differs by
-# up to 5.1e-5 (104 of 18,432 weights). A fault moves nearly every weight by ~1e-3 (the learning
-# rate), so: every weight within 10% of one update, and all but 1% within 1% of one update.
-PARAM_ATOL = 1e-4
-PARAM_CLOSE_ATOL, PARAM_CLOSE_FRACTION = 1e-5, 0.99
+# Params of the fp16 runs agree to ~2e-6 in most weights (see the module docstring), but the
+# chaos of rounding moves a few weights further: the convolutions' weight gradients come back
+# in fp32, summed in another order over 2 processes than over 1, and Adam magnifies that where a
+# gradient is near zero (since the backward convolutions return fp32, single weights were off
+# by up to 3.1e-4 in some runs, whole channels by ~1e-5). A fault changes every update by the
+# order of the learning rate. So the test compares in norm, against the update (the params'
+# change from their init), as the sharded test below does: measured 2.7e-4 (JAX 0.10) and
+# 7.2e-4 (0.12) of the update; a process reading the wrong slice makes it 0.70 (sharded test).
+PARAM_RTOL = 1e-2
 
 
 def _free_port() -> int:
@@ -208,10 +210,14 @@ def test_train_two_processes_match_one_process_with_the_same_devices(tmp_path):
         for x, y in zip(jax.tree.leaves(a[name]), jax.tree.leaves(b[name])):
             np.testing.assert_array_equal(x, y)
     assert int(b["step"]) == STEPS
-    for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(b["params"])):
-        np.testing.assert_allclose(y, x, rtol=0, atol=PARAM_ATOL)
-        close = np.mean(np.abs(np.asarray(y) - np.asarray(x)) <= PARAM_CLOSE_ATOL)
-        assert close >= PARAM_CLOSE_FRACTION, (np.shape(x), close)
+    # In norm, against the update (the params' change from init), as for the sharded path.
+    start = recipe_state(single, {"image_shape": (8, 8, 1)}, recipe="synthetic").params
+    got, want, init = (
+        np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])
+        for t in (b["params"], a["params"], start)
+    )
+    ratio = np.linalg.norm(got - want) / np.linalg.norm(want - init)
+    assert ratio <= PARAM_RTOL, ratio
 
 
 def test_train_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
