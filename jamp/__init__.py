@@ -7,6 +7,8 @@ The public API, all documented in the README:
 * loss scales: `NoOpLossScale`, `StaticLossScale`, `DynamicLossScale`, `loss_scale_for`,
   `all_finite`, `finite_by_group`, `select_tree`;
 * training: `TrainState`, `make_train_step`, `make_eval_step`;
+* fp8 matmuls' scaling: the `jamp.fp8` module (`init_state`, `Fp8State`, `quantize`,
+  `dequantize`, `scale_for`, `RECIPES`);
 * the device's 16-bit support: the `jamp.hardware` module (`support`, `auto_policy`,
   `emulation_warning`, `matmul_lowering`);
 * data parallelism: the `jamp.parallel` module (`replicate`, `unreplicate`, `shard`,
@@ -16,7 +18,7 @@ The public API, all documented in the README:
   `describe`).
 """
 
-from jamp import hardware, parallel, sharding
+from jamp import fp8, hardware, parallel, sharding
 from jamp.jax_compat import UnsupportedProgramError
 from jamp.loss_scale import (
     DynamicLossScale,
@@ -46,6 +48,7 @@ __all__ = [
     "all_finite",
     "describe_policy",
     "finite_by_group",
+    "fp8",
     "get_policy",
     "hardware",
     "loss_scale_for",

@@ -42,7 +42,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from jamp import activations as act
-from jamp import jax_compat, mixed_ops
+from jamp import fp8, jax_compat, mixed_ops
 
 ComputeFor = Callable[[jcore.JaxprEqn, Optional[np.dtype]], Optional[np.dtype]]
 #: `(key_path, shape) -> (sharding, gathered) or None`: where a leaf of a weak argument (a
@@ -148,6 +148,29 @@ def _spec(aval):
 class _Ctx:
     compute_for: ComputeFor
     lower: bool  # carry float32 activations in the 16-bit compute dtype (`jamp.activations`)
+    # fp8: the model's last matmul (its output head), which inherits bfloat16 instead of fp8;
+    # whether fp8 matmuls here may read a scaling state (not in re-traced sub-programs, whose
+    # closures could not carry it); the name stack above this program; the trace's site tally.
+    head: Optional[jcore.JaxprEqn] = None
+    stateful: bool = True
+    prefix: str = ""
+    sites: dict = dataclasses.field(default_factory=dict, compare=False)
+
+
+def _stateless(ctx: _Ctx) -> _Ctx:
+    return dataclasses.replace(ctx, stateful=False) if ctx.stateful else ctx
+
+
+def _last_dot(jaxpr: jcore.Jaxpr) -> Optional[jcore.JaxprEqn]:
+    """The program's last `dot_general`, sub-programs included (in evaluation order)."""
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.primitive is _DOT:
+            return eqn
+        for sub in reversed(list(_sub_jaxprs(eqn))):
+            found = _last_dot(sub)
+            if found is not None:
+                return found
+    return None
 
 
 def _placed_for(placed, compute_dtype):
@@ -213,6 +236,8 @@ def _rewrite_closed(
 ) -> jcore.ClosedJaxpr:
     """The sub-program with its matmuls rewritten and its signature (dtypes included) unchanged."""
 
+    ctx = _stateless(ctx)
+
     def run(*args):
         outs, _ = _eval(closed.jaxpr, closed.consts, args, compute_dtype, ctx, weak)
         return [_cast(o, v.aval.dtype) for o, v in zip(outs, closed.jaxpr.outvars)]
@@ -265,6 +290,7 @@ def _eval_shard_map(eqn, invals, compute_dtype, ctx: _Ctx):
     jaxpr = jax_compat.param(eqn, "jaxpr")
     if not _has_matmul(jaxpr):
         return _bind(eqn, invals, eqn.params)
+    ctx = _stateless(ctx)
 
     def body(*xs):
         outs, _ = _eval(jaxpr, (), xs, compute_dtype, ctx, None)
@@ -296,7 +322,17 @@ def _bind(eqn, invals, params):
 def _matmul_out_dtype(eqn, compute_dtype, ctx: _Ctx):
     traced = eqn.outvars[0].aval.dtype
     lowered = ctx.lower and compute_dtype.itemsize < 4 and act.is_lowerable(traced)
-    return compute_dtype if lowered else traced
+    return fp8.carrier(compute_dtype) if lowered else traced
+
+
+def _fp8_dot(eqn, invals, compute_dtype, ctx: _Ctx):
+    site = None
+    if ctx.stateful:
+        stack = "/".join(s for s in (ctx.prefix, str(eqn.source_info.name_stack)) if s)
+        site = fp8.site_name(stack, ctx.sites)
+    out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)
+    dims = jax_compat.param(eqn, "dimension_numbers")
+    return [fp8.dot_general(*invals, dims, out_dtype, site)]
 
 
 def _eval_as_traced(eqn, invals, compute_dtype, ctx: _Ctx, weak=None, placed=None):
@@ -305,6 +341,17 @@ def _eval_as_traced(eqn, invals, compute_dtype, ctx: _Ctx, weak=None, placed=Non
     # its gradient comes back 16-bit.
     if eqn.primitive not in (_DOT, _CONV) or not _needs_rewrite(invals, compute_dtype):
         invals = _as_traced(eqn, invals)
+    if (
+        eqn.primitive is _DOT
+        and fp8.is_fp8(compute_dtype)
+        and _needs_rewrite(invals, compute_dtype)
+    ):
+        # A layer's matmul (one operand made from the weak arguments: the variables) is fp8; one
+        # of two activations (attention's scores and mix) stays bfloat16, as in Transformer
+        # Engine. Sharded operands are placed as XLA places them.
+        if weak is not None and any(weak):
+            return _fp8_dot(eqn, invals, compute_dtype, ctx)
+        compute_dtype = fp8.CARRIER
     if eqn.primitive is _DOT and _needs_rewrite(invals, compute_dtype):
         out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)
         dims = jax_compat.param(eqn, "dimension_numbers")
@@ -313,13 +360,15 @@ def _eval_as_traced(eqn, invals, compute_dtype, ctx: _Ctx, weak=None, placed=Non
     if eqn.primitive is _CONV and _needs_rewrite(invals, compute_dtype):
         out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)
         where = _placed_for(placed, compute_dtype)
-        return [mixed_ops.mixed_conv(*invals, eqn.params, compute_dtype, out_dtype, where)]
+        conv_dtype = fp8.carrier(compute_dtype)  # fp8 is for matmuls only
+        return [mixed_ops.mixed_conv(*invals, eqn.params, conv_dtype, out_dtype, where)]
     if jax_compat.is_kernel(eqn):  # a kernel runs as written, on its traced operand dtypes
         return _bind(eqn, invals, eqn.params)
     if eqn.primitive.name == "shard_map":
         return _eval_shard_map(eqn, invals, compute_dtype, ctx)
     _check_rewritable(eqn, compute_dtype, ctx)
-    body_weak = _body_weak(eqn, list(weak)) if ctx.lower and weak is not None else {}
+    tracks_weak = ctx.lower or fp8.is_fp8(compute_dtype)  # fp8 tells weights by weakness
+    body_weak = _body_weak(eqn, list(weak)) if tracks_weak and weak is not None else {}
     params = {
         k: _rewrite_param(v, compute_dtype, ctx, body_weak.get(k)) for k, v in eqn.params.items()
     }
@@ -360,6 +409,7 @@ def _eval_custom_jvp(eqn, invals, weak, compute_dtype, ctx: _Ctx):
     """
     call = jax_compat.param(eqn, "call_jaxpr")
     traced = [v.aval.dtype for v in eqn.invars]
+    ctx = _stateless(ctx)
 
     def body(*xs):
         return _eval(call.jaxpr, call.consts, xs, compute_dtype, ctx, weak)[0]
@@ -392,7 +442,7 @@ def _eval_lowered(eqn, invals, weak, compute_dtype, ctx: _Ctx, placed=None):
         return _eval_as_traced(eqn, invals, compute_dtype, ctx), [False] * n_out
     if lowered and name in ("jit", "pjit"):  # inlined, so that its 16-bit results stay 16-bit
         closed = jax_compat.param(eqn, "jaxpr")
-        return _eval(closed.jaxpr, closed.consts, invals, compute_dtype, ctx, weak)
+        return _eval(closed.jaxpr, closed.consts, invals, compute_dtype, _within(ctx, eqn), weak)
     if name in act.POLYMORPHIC_PRIMITIVES:
         return _eval_polymorphic(eqn, invals, weak), [all_weak] * n_out
     if name == "convert_element_type":
@@ -406,7 +456,7 @@ def _eval_lowered(eqn, invals, weak, compute_dtype, ctx: _Ctx, placed=None):
         jaxpr = jax_compat.param(eqn, "jaxpr")
 
         def body(*xs):
-            return _eval(jaxpr, (), xs, compute_dtype, ctx, weak)[0]
+            return _eval(jaxpr, (), xs, compute_dtype, _within(ctx, eqn), weak)[0]
 
         prevent_cse, policy = (jax_compat.param(eqn, k) for k in ("prevent_cse", "policy"))
         outs = jax.checkpoint(body, prevent_cse=prevent_cse, policy=policy)(*invals)
@@ -415,10 +465,16 @@ def _eval_lowered(eqn, invals, weak, compute_dtype, ctx: _Ctx, placed=None):
     return _eval_as_traced(eqn, invals, compute_dtype, ctx, weak, placed), [False] * n_out
 
 
+def _within(ctx: _Ctx, eqn) -> _Ctx:
+    """The context of a sub-program evaluated in place: its name stack continues the equation's."""
+    stack = "/".join(s for s in (ctx.prefix, str(eqn.source_info.name_stack)) if s)
+    return dataclasses.replace(ctx, prefix=stack)
+
+
 def _eval_eqn(eqn, invals, weak, compute_dtype, ctx: _Ctx, placed=None):
     if ctx.lower and compute_dtype is not None and compute_dtype.itemsize < 4:
         return _eval_lowered(eqn, invals, weak, compute_dtype, ctx, placed)
-    outs = _eval_as_traced(eqn, invals, compute_dtype, ctx, placed=placed)
+    outs = _eval_as_traced(eqn, invals, compute_dtype, ctx, weak, placed)
     poly = eqn.primitive.name in act.POLYMORPHIC_PRIMITIVES
     return outs, [poly and all(weak)] * len(outs)
 
@@ -452,7 +508,9 @@ def _eval(
     env.update(zip(jaxpr.invars, args))
     weak_env.update(zip(jaxpr.invars, weak if weak is not None else [False] * len(args)))
     for eqn in jaxpr.eqns:
-        eqn_dtype = ctx.compute_for(eqn, compute_dtype)
+        # Under fp8 the output head inherits the carrier dtype; an override still decides it.
+        inherited = fp8.carrier(compute_dtype) if eqn is ctx.head else compute_dtype
+        eqn_dtype = ctx.compute_for(eqn, inherited)
         # Keep the module path of each operation, for profiles and for anyone reading the program.
         where = None
         if place_env:
@@ -486,6 +544,7 @@ def eval_jaxpr(
     activations: str = "float32",
     weak: Optional[Sequence[bool]] = None,
     placed: Optional[Sequence[Optional[mixed_ops.Placed]]] = None,
+    head_in_fp8: bool = False,
 ):
     """Evaluate `jaxpr` on `args`, with matmuls in the dtype that `compute_for` picks per equation.
 
@@ -501,11 +560,14 @@ def eval_jaxpr(
       weak: per argument, whether it takes the dtype of what it is combined with (e.g. the
         model's variables); see `jamp.activations`.
       placed: per argument, a `jamp.mixed_ops.Placed` (a sharded parameter) or None.
+      head_in_fp8: under fp8 matmuls (`jamp.fp8.MATMUL_MARKER`), whether the program's last
+        matmul (a model's output head) is fp8 too; by default it inherits bfloat16.
 
     Returns:
       The list of output values, in the dtypes the program was traced with.
     """
-    ctx = _Ctx(compute_for, act.resolve(activations) == "compute")
+    head = None if head_in_fp8 else _last_dot(jaxpr)
+    ctx = _Ctx(compute_for, act.resolve(activations) == "compute", head)
     outs, _ = _eval(jaxpr, consts, args, compute_dtype, ctx, weak, placed)
     # A literal output (e.g. a constant returned by an inlined jit) comes back as an array.
     return [
@@ -531,6 +593,7 @@ def autocast(
     activations: str = "auto",
     weak_argnums: Sequence[int] = (),
     reduce_dtype=np.float32,
+    head_in_fp8: bool = False,
 ) -> Callable:
     """Return `fn` with its matmuls and convolutions run in `compute_dtype`.
 
@@ -539,7 +602,9 @@ def autocast(
 
     Args:
       fn: any JAX-traceable function returning a pytree of arrays.
-      compute_dtype: dtype of matmul and convolution operands (None leaves them as traced).
+      compute_dtype: dtype of matmul and convolution operands (None leaves them as traced);
+        `jamp.fp8.MATMUL_MARKER` (`float8_e4m3fn`) runs matmuls in fp8 (`jamp.fp8.dot_general`:
+        E4M3 forward, E5M2 gradients) and everything else, convolutions included, in bfloat16.
       compute_for: optional per-equation choice of compute dtype (see the module docstring).
       activations: where float32 values between operations live: "float32" (as traced),
         "compute" (in a 16-bit compute dtype where `jamp.activations` allows) or "auto" (float32
@@ -549,6 +614,9 @@ def autocast(
         dtype instead of promoting it to float32.
       reduce_dtype: the dtype that the gradient of a sharded parameter (see `placing`) leaves its
         16-bit matmul in, and so is summed across devices in.
+      head_in_fp8: with `compute_dtype` `jamp.fp8.MATMUL_MARKER` (fp8 matmuls, bfloat16 between
+        them), whether the function's last matmul (a model's output head) is fp8 as well; by
+        default it runs in bfloat16.
 
     Returns:
       A function with `fn`'s signature and output dtypes.
@@ -600,6 +668,7 @@ def autocast(
             activations=activations,
             weak=weak,
             placed=placed,
+            head_in_fp8=head_in_fp8,
         )
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 

@@ -161,33 +161,44 @@ def _dot_fwd(lhs, rhs, dimension_numbers, compute_dtype, out_dtype, placed, lowe
     return out, (lhs_c, rhs_c, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
 
 
-def _dot_bwd(dimension_numbers, compute_dtype, out_dtype, placed, lowering, residuals, g):
-    del out_dtype
-    lhs_c, rhs_c, lhs_like, rhs_like = residuals
+def backward_dims(dimension_numbers, lhs_ndim: int, rhs_ndim: int, g_ndim: int):
+    """How the two backward products of a `dot_general` run on its cotangent `g`.
+
+    Returns `((dims, perm) for d lhs, (dims, perm) for d rhs)`: d lhs is
+    `transpose(dot_general(g, rhs, dims), perm)`, d rhs is `transpose(dot_general(lhs, g, dims),
+    perm)`, each in its operand's axis order.
+    """
     (lc, rc), (lb, rb) = dimension_numbers
     lc, rc, lb, rb = map(list, (lc, rc, lb, rb))
     nb = len(lb)
-    l_free = _free_dims(lhs_c.ndim, lc, lb)
-    r_free = _free_dims(rhs_c.ndim, rc, rb)
+    l_free = _free_dims(lhs_ndim, lc, lb)
+    r_free = _free_dims(rhs_ndim, rc, rb)
     # The result's axes are [batch] + [lhs free] + [rhs free].
     g_batch = list(range(nb))
     g_lfree = list(range(nb, nb + len(l_free)))
-    g_rfree = list(range(nb + len(l_free), g.ndim))
-    g_c = g.astype(compute_dtype)
-
+    g_rfree = list(range(nb + len(l_free), g_ndim))
     # d lhs: contract g's rhs-free axes with rhs's free axes. Result axes: [batch] + [lhs free] +
     # [rhs's contracting axes in ascending order], each of which pairs with one lhs contracting axis.
-    acc = _grad_acc(placed[0])
-    d_lhs = _matmul(g_c, rhs_c, ((g_rfree, r_free), (g_batch, rb)), acc, acc, lowering)
     src = lb + l_free + [lc[rc.index(r)] for r in sorted(rc)]
-    d_lhs = lax.transpose(d_lhs, _inverse_permutation(src))
-
+    d_lhs = (((g_rfree, r_free), (g_batch, rb)), _inverse_permutation(src))
     # d rhs: contract lhs's free axes with g's lhs-free axes. Result axes: [batch] + [lhs's
     # contracting axes in ascending order] + [rhs free].
-    acc = _grad_acc(placed[1])
-    d_rhs = _matmul(lhs_c, g_c, ((l_free, g_lfree), (lb, g_batch)), acc, acc, lowering)
     src = rb + [rc[lc.index(axis)] for axis in sorted(lc)] + r_free
-    d_rhs = lax.transpose(d_rhs, _inverse_permutation(src))
+    d_rhs = (((l_free, g_lfree), (lb, g_batch)), _inverse_permutation(src))
+    return d_lhs, d_rhs
+
+
+def _dot_bwd(dimension_numbers, compute_dtype, out_dtype, placed, lowering, residuals, g):
+    del out_dtype
+    lhs_c, rhs_c, lhs_like, rhs_like = residuals
+    (l_dims, l_perm), (r_dims, r_perm) = backward_dims(
+        dimension_numbers, lhs_c.ndim, rhs_c.ndim, g.ndim
+    )
+    g_c = g.astype(compute_dtype)
+    acc = _grad_acc(placed[0])
+    d_lhs = lax.transpose(_matmul(g_c, rhs_c, l_dims, acc, acc, lowering), l_perm)
+    acc = _grad_acc(placed[1])
+    d_rhs = lax.transpose(_matmul(lhs_c, g_c, r_dims, acc, acc, lowering), r_perm)
     return (
         _to_operand(d_lhs, lhs_like.dtype, placed[0]),
         _to_operand(d_rhs, rhs_like.dtype, placed[1]),

@@ -8,6 +8,11 @@ A fourth, optional dtype says what gradients cross the wire in when parameters a
 over devices (FSDP2's `reduce_dtype`): `"mixed_bfloat16,reduce=bf16"`. It defaults to float32;
 a policy that names another is a `jamp.precision.Policy`, a `jmp.Policy` with that one field more.
 
+A fifth says what matmuls run in when it is not the compute dtype: `matmul=f8` (the preset
+`"mixed_fp8"`, i.e. "p=f32,c=bf16,o=f32,matmul=f8") runs every matmul on fp8 operands (E4M3
+activations and weights, E5M2 gradients, float32 accumulation; `jamp.fp8`) and the rest as
+mixed_bfloat16 does. Convolutions, the output head and normalization stay bfloat16 / float32.
+
 `"auto"` names the policy that pays on this device: mixed_bfloat16 where it runs bfloat16 matmuls
 natively, float32 where it does not (`jamp.hardware.auto_policy`; `auto_reason` says which).
 """
@@ -18,15 +23,16 @@ from typing import Union
 import jax.numpy as jnp
 import jmp
 
-from jamp import hardware
+from jamp import fp8, hardware
 
-PRESETS = ("float32", "mixed_float16", "mixed_bfloat16")
+PRESETS = ("float32", "mixed_float16", "mixed_bfloat16", "mixed_fp8")
 
 # Presets are spelt in jmp's grammar so that jmp builds every policy we return.
 _PRESET_SPECS = {
     "float32": "p=f32,c=f32,o=f32",
     "mixed_float16": "p=f32,c=f16,o=f32",
     "mixed_bfloat16": "p=f32,c=bf16,o=f32",
+    "mixed_fp8": "p=f32,c=bf16,o=f32,m=f8",
 }
 # Resolved when a policy is made, from what the default device runs natively.
 AUTO = "auto"
@@ -39,7 +45,11 @@ _KEYS = {
     "output": "output",
     "r": "reduce",
     "reduce": "reduce",
+    "m": "matmul",
+    "matmul": "matmul",
 }
+#: What `matmul=` accepts: fp8 (E4M3 forward, E5M2 gradients).
+MATMUL_NAMES = ("f8", "fp8", "float8")
 # jmp also knows float64; mixed precision has no use for it, so it is refused.
 # "half" is jmp's backend-dependent 16-bit type (bfloat16 on TPU, float16 elsewhere).
 DTYPE_NAMES = ("float32", "f32", "full", "float16", "f16", "half", "bfloat16", "bf16")
@@ -51,7 +61,8 @@ _ACCEPTED = (
     "p/params, c/compute, o/output (e.g. 'p=f32,c=bf16,o=f32'; params default to float32, "
     "compute follows params, output follows compute); a preset or the pairs may add "
     "r/reduce=f32|bf16|f16, the dtype sharded gradients are reduced in (e.g. "
-    "'mixed_bfloat16,reduce=bf16', 'auto,reduce=bf16')."
+    "'mixed_bfloat16,reduce=bf16', 'auto,reduce=bf16'), and pairs with c=bf16 may add "
+    "m/matmul=f8, fp8 matmuls (e.g. 'p=f32,c=bf16,o=f32,matmul=f8', the preset mixed_fp8)."
 )
 _F32 = jnp.dtype(jnp.float32)
 
@@ -65,10 +76,36 @@ class Policy(jmp.Policy):
     """
 
     reduce_dtype: jnp.dtype = _F32
+    matmul: str = ""  # "" (the compute dtype) or "f8"
 
     def __str__(self):
         short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
-        return f"{super().__str__()},r={short[jnp.dtype(self.reduce_dtype).name]}"
+        text = super().__str__()
+        if jnp.dtype(self.reduce_dtype) != _F32:
+            text += f",r={short[jnp.dtype(self.reduce_dtype).name]}"
+        return text + (f",m={self.matmul}" if self.matmul else "")
+
+
+def is_fp8(policy: "PolicyLike") -> bool:
+    """Whether `policy`'s matmuls run in fp8."""
+    return getattr(get_policy(policy), "matmul", "") == "f8"
+
+
+def without_fp8(policy: "PolicyLike") -> jmp.Policy:
+    """`policy` with its matmuls back in its compute dtype (mixed_fp8 -> mixed_bfloat16)."""
+    p = get_policy(policy)
+    if not is_fp8(p):
+        return p
+    if jnp.dtype(p.reduce_dtype) == _F32:
+        return jmp.Policy(p.param_dtype, p.compute_dtype, p.output_dtype)
+    return dataclasses.replace(p, matmul="")
+
+
+def autocast_dtype(policy: "PolicyLike"):
+    """The dtype `jamp.autocast` runs `policy`'s matmuls in: its compute dtype, or for an fp8
+    policy the marker `jamp.fp8.MATMUL_MARKER` (fp8 matmuls, bfloat16 between them)."""
+    p = get_policy(policy)
+    return fp8.MATMUL_MARKER if is_fp8(p) else jnp.dtype(p.compute_dtype)
 
 
 def reduce_dtype(policy: "PolicyLike") -> jnp.dtype:
@@ -88,8 +125,9 @@ def _check_dtype(name: str, spec) -> None:
         raise _fail(spec, f"unknown dtype {name!r}")
 
 
-def _normalise(spec: str) -> tuple[str, str]:
-    """Checks `spec` against the grammar; returns it in jmp's spelling and the reduce dtype name."""
+def _normalise(spec: str) -> tuple[str, str, str]:
+    """Checks `spec` against the grammar; returns it in jmp's spelling, the reduce dtype name and
+    the matmul format ("" or "f8")."""
     text = spec.strip()
     if not text:
         raise _fail(spec, "empty string")
@@ -100,8 +138,8 @@ def _normalise(spec: str) -> tuple[str, str]:
         text = _PRESET_SPECS[head.strip()] + ("," + rest if rest else "")
     if "=" not in text:
         _check_dtype(text, spec)
-        return text, "f32"
-    parts, seen, reduce = [], set(), "f32"
+        return text, "f32", ""
+    parts, seen, reduce, matmul = [], set(), "f32", ""
     for part in text.split(","):
         key, sep, value = (s.strip() for s in part.partition("="))
         if not sep:
@@ -112,14 +150,19 @@ def _normalise(spec: str) -> tuple[str, str]:
             # jmp lets the last one win silently; a typo should not pass unnoticed.
             raise _fail(spec, f"duplicate key {key!r} ({_KEYS[key]} given twice)")
         seen.add(_KEYS[key])
+        if _KEYS[key] == "matmul":
+            if value not in MATMUL_NAMES:
+                raise _fail(spec, f"matmul={value!r}: matmul takes {', '.join(MATMUL_NAMES)}")
+            matmul = "f8"
+            continue
         _check_dtype(value, spec)
         if _KEYS[key] == "reduce":
             reduce = value
         else:
             parts.append(f"{key}={value}")
     if not parts:
-        raise _fail(spec, "a reduce dtype alone names no policy")
-    return ",".join(parts), reduce
+        raise _fail(spec, "a reduce or matmul entry alone names no policy")
+    return ",".join(parts), reduce, matmul
 
 
 def _auto_preset() -> str:
@@ -165,7 +208,7 @@ def get_policy(spec: PolicyLike) -> jmp.Policy:
         return spec
     if not isinstance(spec, str):
         raise _fail(spec, f"expected a string or jmp.Policy, got {type(spec).__name__}")
-    normalised, reduce = _normalise(spec)
+    normalised, reduce, matmul = _normalise(spec)
     try:
         policy = jmp.get_policy(normalised)
         reduce = jnp.dtype(jmp.get_policy(reduce).param_dtype)
@@ -174,8 +217,14 @@ def get_policy(spec: PolicyLike) -> jmp.Policy:
     for dtype in (policy.param_dtype, policy.compute_dtype, policy.output_dtype, reduce):
         if jnp.dtype(dtype) not in _ALLOWED:
             raise _fail(spec, f"dtype {jnp.dtype(dtype).name!r} is not a mixed-precision dtype")
-    if reduce != _F32:
-        policy = Policy(policy.param_dtype, policy.compute_dtype, policy.output_dtype, reduce)
+    if matmul and jnp.dtype(policy.compute_dtype) != jnp.bfloat16:
+        # fp8 GEMMs beside fp16 elementwise math overflow in the gaps between them
+        # (Transformer Engine #2415); bf16 has float32's range.
+        raise _fail(spec, "matmul=f8 needs compute=bf16")
+    if reduce != _F32 or matmul:
+        policy = Policy(
+            policy.param_dtype, policy.compute_dtype, policy.output_dtype, reduce, matmul
+        )
     return policy
 
 
@@ -196,4 +245,6 @@ def describe(policy: PolicyLike) -> str:
     names = (jnp.dtype(d).name for d in (p.param_dtype, p.compute_dtype, p.output_dtype))
     text = "params={},compute={},output={}".format(*names)
     reduce = reduce_dtype(p)
-    return text if reduce == _F32 else f"{text},reduce={reduce.name}"
+    if reduce != _F32:
+        text += f",reduce={reduce.name}"
+    return text + (",matmul=fp8" if is_fp8(p) else "")

@@ -40,6 +40,8 @@ class TrainState:
         loss_scale: a `NoOpLossScale`, `StaticLossScale` or `DynamicLossScale` (all pytrees).
         skipped_steps: int32 scalar, how many steps were skipped because the gradients were not
             finite.
+        fp8_state: the fp8 matmuls' scaling state (a `jamp.fp8.Fp8State`: per site amax history
+            and scales), or None (no fp8, or stateless current scaling).
 
     Example:
         >>> state = TrainState.create(params, optax.adam(1e-3),
@@ -54,6 +56,7 @@ class TrainState:
     model_state: PyTree
     loss_scale: Any
     skipped_steps: jax.Array
+    fp8_state: Any = None
 
     @classmethod
     def create(
@@ -63,6 +66,7 @@ class TrainState:
         *,
         model_state: Mapping[str, Any] | None = None,
         loss_scale: Any = None,
+        fp8_state: Any = None,
     ) -> "TrainState":
         """Builds the state for step 0 and initializes the optimizer state from `params`.
 
@@ -73,6 +77,7 @@ class TrainState:
             model_state: mutable collections other than params (e.g. `{'batch_stats': ...}`); `{}` when
                 omitted. The train step's `loss_fn` must return a tree of the same structure and dtypes.
             loss_scale: the loss scale to start from; `NoOpLossScale()` when omitted.
+            fp8_state: the fp8 scaling state to start from (`jamp.fp8.init_state`), or None.
 
         Returns:
             A `TrainState` with `step == 0` and `skipped_steps == 0`, both int32 arrays.
@@ -89,4 +94,5 @@ class TrainState:
             model_state={} if model_state is None else model_state,
             loss_scale=NoOpLossScale() if loss_scale is None else loss_scale,
             skipped_steps=_int32_scalar(0),
+            fp8_state=fp8_state,
         )

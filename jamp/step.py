@@ -9,7 +9,8 @@ follows one order (see DESIGN.md, "The mixed-precision step, written once"):
   4. average gradients, loss, metrics and model state across replicas;
   5. unscale with the scale used in 2;
   6. check finiteness, clip the unscaled gradients, run the optax update;
-  7. keep the old params, optimizer state and model state if the gradients were not finite;
+  7. keep the old params, optimizer state and model state if the gradients were not finite (and
+     the fp8 scaling state, which otherwise takes this step's amaxes, max-reduced in 3 and 4);
   8. adjust the loss scale and count the step.
 
 Nothing here jits or pmaps: callers wrap the step in `jax.jit`, or use `jamp.parallel`.
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jamp import fp8
 from jamp.loss_scale import all_finite, finite_by_group, select_tree
 from jamp.state import TrainState
 
@@ -66,11 +68,13 @@ def _conform(new: PyTree, old: PyTree, what: str) -> PyTree:
     return jax.tree.map(lambda n, o: jnp.asarray(n).astype(o.dtype), new, old)
 
 
-def _scaled_grads(loss_fn, loss_scale, params, model_state, batch, rng):
-    """Returns (scaled fp32 grads, fp32 loss, new model state, fp32 metrics) for one batch."""
+def _scaled_grads(loss_fn, loss_scale, params, model_state, batch, rng, fp8_state=None):
+    """Returns (scaled fp32 grads, fp32 loss, new model state, fp32 metrics, fp8 observations)
+    for one batch; the observations are None without an fp8 state."""
 
-    def scaled_loss(p):
-        loss, (new_model_state, metrics) = loss_fn(p, model_state, batch, rng)
+    def scaled_loss(p, f8):
+        with fp8.scaling(f8):  # the fp8 matmuls traced here read their scales from it
+            loss, (new_model_state, metrics) = loss_fn(p, model_state, batch, rng)
         if jnp.ndim(loss) != 0:
             raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}.")
         # The reductions in the loss are where 16-bit overflows first: finish it in fp32.
@@ -78,12 +82,22 @@ def _scaled_grads(loss_fn, loss_scale, params, model_state, batch, rng):
         # Scaling the loss scales every gradient, lifting small 16-bit gradients above underflow.
         return loss_scale.scale(loss), (loss, new_model_state, metrics)
 
-    grads, (loss, new_model_state, metrics) = jax.grad(scaled_loss, has_aux=True)(params)
+    if fp8.uses_state(fp8_state):
+        # The derivative with respect to the fp8 state is not a gradient: each fp8 matmul's
+        # custom VJP puts this step's amaxes there (see jamp.fp8). The optimizer never sees it.
+        (grads, observed), (loss, new_model_state, metrics) = jax.grad(
+            scaled_loss, argnums=(0, 1), has_aux=True
+        )(params, fp8_state)
+    else:
+        observed = None
+        grads, (loss, new_model_state, metrics) = jax.grad(
+            lambda p: scaled_loss(p, fp8_state), has_aux=True
+        )(params)
     # fp32 params give fp32 grads already; upcasting covers 16-bit params so that the averaging and
     # unscaling below never round or overflow in 16 bits.
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
     new_model_state = _conform(new_model_state, model_state, "model_state")
-    return grads, loss, new_model_state, _metrics_fp32(metrics)
+    return grads, loss, new_model_state, _metrics_fp32(metrics), observed
 
 
 def _split_microbatches(batch: PyTree, num_micro: int) -> PyTree:
@@ -100,32 +114,37 @@ def _split_microbatches(batch: PyTree, num_micro: int) -> PyTree:
     return jax.tree.map(lambda x: x.reshape((num_micro, size // num_micro) + x.shape[1:]), batch)
 
 
-def _accumulated_grads(loss_fn, loss_scale, params, model_state, batch, rng, num_micro):
+def _accumulated_grads(
+    loss_fn, loss_scale, params, model_state, batch, rng, num_micro, fp8_state=None
+):
     """Like `_scaled_grads`, averaged over `num_micro` microbatches run one after another."""
     micro = _split_microbatches(batch, num_micro)
 
     def body(carry, xs):
-        grad_sum, state = carry
+        grad_sum, seen, state = carry
         micro_batch, index = xs
         # Each microbatch gets its own dropout mask, as it would as a batch of its own.
         micro_rng = jax.random.fold_in(rng, index)
-        grads, loss, state, metrics = _scaled_grads(
-            loss_fn, loss_scale, params, state, micro_batch, micro_rng
+        grads, loss, state, metrics, observed = _scaled_grads(
+            loss_fn, loss_scale, params, state, micro_batch, micro_rng, fp8_state
         )
         # Summing in fp32 keeps k small scaled gradients from rounding away against each other.
         grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
-        return (grad_sum, state), (loss, metrics)
+        if observed is not None:  # the step's amax is the largest of its microbatches'
+            seen = fp8.combine(seen, observed)
+        return (grad_sum, seen, state), (loss, metrics)
 
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    seen = jax.tree.map(jnp.zeros_like, fp8_state) if fp8.uses_state(fp8_state) else None
     # scan, not a python loop: one traced copy of the model, whatever num_micro is.
-    (grad_sum, model_state), (losses, metrics) = lax.scan(
-        body, (zeros, model_state), (micro, jnp.arange(num_micro))
+    (grad_sum, seen, model_state), (losses, metrics) = lax.scan(
+        body, (zeros, seen, model_state), (micro, jnp.arange(num_micro))
     )
     # The mean of microbatch means is the whole-batch mean for equal microbatches: same scale of
     # gradient as one step on the whole batch, so learning rates carry over.
     grads = jax.tree.map(lambda g: g / num_micro, grad_sum)
     metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
-    return grads, jnp.mean(losses), model_state, metrics
+    return grads, jnp.mean(losses), model_state, metrics, seen
 
 
 def _clip_by_global_norm(grads: PyTree, norm: jax.Array, max_norm: float) -> PyTree:
@@ -143,6 +162,7 @@ def make_train_step(
     max_grad_norm: float | None = None,
     reduce_dtype=None,
     attribution_depth: int = 1,
+    fp8_metric_sites: int = 3,
 ) -> Callable[[TrainState, PyTree, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds a pure mixed-precision train step.
 
@@ -161,6 +181,8 @@ def make_train_step(
       attribution_depth: how deep the per-module finite flags go (`jamp.finite_by_group`): 1
         gives one flag per top-level module of the params tree; 0 a single flag and no
         "grads_finite_by_module" metric.
+      fp8_metric_sites: with an fp8 state, how many representative sites (the first, middle and
+        last matmuls) report their newest amax and scale per operand in `metrics["fp8"]`.
 
     Returns:
       `train_step(state, batch, rng) -> (new_state, metrics)`, where `rng` is one base key for the
@@ -169,7 +191,9 @@ def make_train_step(
       (after adjusting), "grads_finite" (bool), "skipped_steps" (int32),
       "grads_finite_by_module" (`{module path: bool}`, the averaged gradients' finiteness per
       group of params: on a skipped step, the modules that overflowed) and the loss_fn metrics
-      (fp32, averaged over microbatches and replicas; the names above win on a clash).
+      (fp32, averaged over microbatches and replicas; the names above win on a clash); with an
+      fp8 state, "fp8" (`{site: {"x_amax", "x_scale", "w_amax", ..., "g_scale"}}`, after the
+      update).
 
     Example:
       >>> def loss_fn(params, model_state, batch, rng):  # a model with batch_stats
@@ -193,13 +217,21 @@ def make_train_step(
         if axis_name is not None:  # ... and the replica index different dropout per replica.
             rng = jax.random.fold_in(rng, lax.axis_index(axis_name))
         loss_scale = state.loss_scale  # keep the scale the grads are computed with for unscaling
+        f8 = state.fp8_state
         if accumulation_steps == 1:
-            grads, loss, model_state, metrics = _scaled_grads(
-                loss_fn, loss_scale, state.params, state.model_state, batch, rng
+            grads, loss, model_state, metrics, observed = _scaled_grads(
+                loss_fn, loss_scale, state.params, state.model_state, batch, rng, f8
             )
         else:
-            grads, loss, model_state, metrics = _accumulated_grads(
-                loss_fn, loss_scale, state.params, state.model_state, batch, rng, accumulation_steps
+            grads, loss, model_state, metrics, observed = _accumulated_grads(
+                loss_fn,
+                loss_scale,
+                state.params,
+                state.model_state,
+                batch,
+                rng,
+                accumulation_steps,
+                f8,
             )
         if axis_name is not None:
             # Average before checking finiteness: an inf on one replica becomes an inf on all, so
@@ -211,6 +243,8 @@ def make_train_step(
                 (grads, loss, model_state, metrics), axis_name
             )
             grads = jax.tree.map(lambda g, p: g.astype(jnp.asarray(p).dtype), grads, state.params)
+            if observed is not None:  # every replica scales its next step alike
+                observed = fp8.pmax(observed, axis_name)
         grads = loss_scale.unscale(grads)  # the scale of step 2, not the adjusted one
         # One flag per module instead of one in all: the same per-leaf reductions, and on a
         # skipped step it says where the overflow was (averaged already: agreed by replicas).
@@ -229,10 +263,12 @@ def make_train_step(
         params = optax.apply_updates(state.params, updates)
         # A skipped step leaves everything but the loss scale and the counters bit-identical,
         # batch statistics included (a nan in them would otherwise poison every later step).
-        params, opt_state, model_state = select_tree(
+        if observed is not None:
+            f8 = fp8.update(f8, observed)
+        params, opt_state, model_state, f8 = select_tree(
             finite,
-            (params, opt_state, model_state),
-            (state.params, state.opt_state, state.model_state),
+            (params, opt_state, model_state, f8),
+            (state.params, state.opt_state, state.model_state, state.fp8_state),
         )
         new_loss_scale = loss_scale.adjust(finite)  # back off on overflow, grow when stable
         skipped_steps = state.skipped_steps + jnp.logical_not(finite).astype(jnp.int32)
@@ -243,6 +279,7 @@ def make_train_step(
             model_state=model_state,
             loss_scale=new_loss_scale,
             skipped_steps=skipped_steps,
+            fp8_state=f8,
         )
         metrics = {
             **metrics,
@@ -254,6 +291,8 @@ def make_train_step(
         }
         if attribution_depth:
             metrics["grads_finite_by_module"] = finite_by_module
+        if fp8.uses_state(f8) and fp8_metric_sites:
+            metrics["fp8"] = fp8.metrics(f8, fp8.representative(f8, fp8_metric_sites))
         return new_state, metrics
 
     # Lets jamp.parallel refuse to pmap a step that would not average across replicas.
@@ -283,7 +322,8 @@ def make_eval_step(
     """
 
     def eval_step(state: TrainState, batch: PyTree) -> dict[str, jax.Array]:
-        metrics = _metrics_fp32(eval_fn(state.params, state.model_state, batch))
+        with fp8.scaling(state.fp8_state):  # delayed fp8 scales, as the train step has them
+            metrics = _metrics_fp32(eval_fn(state.params, state.model_state, batch))
         if axis_name is not None:  # equal shards: the mean of shard means is the batch mean
             metrics = lax.pmean(metrics, axis_name)
         return metrics

@@ -14,6 +14,10 @@ variables, same call arguments) but:
   (`activations=`, see `jamp.activations`);
 * normalization layers (Flax's own and any class named like one, and anything else named in
   `overrides`) run under their own policy, float32 by default;
+* under an fp8 policy ("mixed_fp8"), matmuls take fp8 operands (`jamp.fp8`) except the
+  model's last matmul (its output head) and `nn.Embed`'s, which stay in the compute dtype
+  (bfloat16), as do convolutions; an override (e.g. `{"lm_head": "mixed_fp8"}`) decides
+  otherwise;
 * parameters are created in the policy's param dtype and outputs are cast to its output dtype;
 * under `jamp.sharding`'s steps, a parameter split over devices is cast to the compute dtype
   on its shard, before it is gathered, and its matmul gradients are summed across devices in
@@ -38,11 +42,11 @@ from typing import Any, Mapping, Optional, Union
 import flax.linen as nn
 import jax
 import jmp
-import numpy as np
 from flax.core import DenyList
 
 from jamp import activations as activations_lib
 from jamp import autocast as autocast_lib
+from jamp import precision
 from jamp.precision import get_policy, reduce_dtype
 
 PolicyLike = Union[str, jmp.Policy]
@@ -194,7 +198,7 @@ class Wrapped(nn.Module):
     @nn.nowrap
     def _compute_for(self, eqn, inherited):
         index = _tag_index(str(eqn.source_info.name_stack))
-        return inherited if index is None else np.dtype(self.overrides[index][1].compute_dtype)
+        return inherited if index is None else precision.autocast_dtype(self.overrides[index][1])
 
     @nn.nowrap
     def _run(self, fn, *args, **kwargs):
@@ -207,7 +211,7 @@ class Wrapped(nn.Module):
         # a 16-bit activation 16-bit when activations are carried in the compute dtype.
         return autocast_lib.autocast(
             traced,
-            self.policy.compute_dtype,
+            precision.autocast_dtype(self.policy),
             self._compute_for,
             activations=self.activations,
             weak_argnums=(0,),
@@ -335,9 +339,10 @@ def wrap(
         (key, get_policy(p)) for key, p in (overrides or {}).items()
     ]
     fp32 = get_policy("float32")
+    policy = get_policy(policy)
+    if precision.is_fp8(policy):  # an embedding's matmuls (a tied head's `attend`) stay 16-bit
+        pairs.append((nn.Embed, precision.without_fp8(policy)))
     pairs += [(cls, fp32) for cls in FP32_MODULES]
     pairs.append((_NamedLike(FP32_MODULE_NAME_SUFFIXES), fp32))
     activations_lib.resolve(activations)  # reject a bad value here, with the accepted ones
-    return Wrapped(
-        module=module, policy=get_policy(policy), overrides=tuple(pairs), activations=activations
-    )
+    return Wrapped(module=module, policy=policy, overrides=tuple(pairs), activations=activations)

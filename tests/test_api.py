@@ -22,6 +22,7 @@ PUBLIC = {
     "describe_policy",
     "finite_by_group",
     "get_policy",
+    "fp8",
     "hardware",
     "loss_scale_for",
     "make_eval_step",
@@ -35,7 +36,8 @@ PUBLIC = {
 # Imports point downward only: a module may import jamp modules of a strictly lower rank.
 RANK = {
     "jax_compat": -1,  # below mixed_ops, which calls its convolution transposes
-    "precision": 0,
+    "precision": 0.75,  # above fp8, whose marker dtype fp8 policies autocast to
+    "fp8": 0.5,  # above mixed_ops, whose backward dimension numbers it shares
     "mixed_ops": 0,
     "activations": 0,
     "hlo": 0,

@@ -56,7 +56,7 @@ def test_get_policy_every_dtype_name_is_one_jmp_accepts(name):
 
 
 def test_get_policy_presets_listed():
-    assert PRESETS == ("float32", "mixed_float16", "mixed_bfloat16")
+    assert PRESETS == ("float32", "mixed_float16", "mixed_bfloat16", "mixed_fp8")
     for preset in PRESETS:
         assert _dtypes(get_policy(preset))[0] == F32
 
@@ -152,7 +152,7 @@ def test_get_policy_reduce_dtype_is_a_fourth_optional_field(spec, reduce):
 @pytest.mark.parametrize(
     "spec,needle",
     [
-        ("r=bf16", "a reduce dtype alone names no policy"),
+        ("r=bf16", "a reduce or matmul entry alone names no policy"),
         ("mixed_bfloat16,reduce=int8", "unknown dtype 'int8'"),
         ("mixed_bfloat16,r=bf16,reduce=f32", "duplicate key 'reduce'"),
         ("mixed_bfloat16,c=f16", "duplicate key 'c'"),

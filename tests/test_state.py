@@ -73,7 +73,15 @@ def test_create_keeps_model_state_and_loss_scale():
 def test_state_holds_no_functions():
     state = _state()
     names = [f.name for f in dataclasses.fields(state)]
-    assert names == ["step", "params", "opt_state", "model_state", "loss_scale", "skipped_steps"]
+    assert names == [
+        "step",
+        "params",
+        "opt_state",
+        "model_state",
+        "loss_scale",
+        "skipped_steps",
+        "fp8_state",
+    ]
     assert not any(callable(leaf) for leaf in jax.tree.leaves(state))
 
 

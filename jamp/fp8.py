@@ -1,0 +1,356 @@
+"""fp8 matmuls with per-tensor scaling, and the per-site scaling state that a train step threads.
+
+Formats (OCP FP8): E4M3 (`float8_e4m3fn`: 3 mantissa bits, largest 448, no infinity) carries
+activations and weights; E5M2 (`float8_e5m2`: 2 mantissa bits, largest 57344, IEEE inf / NaN)
+carries gradients, which need range more than precision. A tensor `x` goes into fp8 as
+`q = saturate(x * s)` with `s = fmax / (amax * 2**margin)`; the product of two quantised operands
+is accumulated in float32 and divided by `s_a * s_b`. Finite values beyond the range saturate to
++-fmax; inf and NaN stay non-finite, so an overflow still skips the step.
+
+Recipes, per matmul site (one `dot_general` of the traced program):
+
+* ``"current"``: `amax` is the tensor's own, now. Stateless; one reduction before each GEMM.
+* ``"delayed"``: `s` comes from the largest amax of the last `history` steps, kept in `Fp8State`;
+  this step's amax is recorded for the next. No reduction stands before the GEMM.
+
+How the state reaches the matmuls and this step's amaxes leave them, with nothing for the user
+to thread: the train step runs the loss under `scaling(state)`, and each fp8 matmul traced there
+reads its site's scales from it. Differentiating the loss with respect to the state as well as the
+params gives, in the state's place, this step's observations (each site's amax of x, w and the
+gradient, put there by the matmul's custom VJP); the step max-reduces them over microbatches and
+replicas and, after the finite check, calls `update` (a skipped step keeps the state bit-identical,
+like the params). The optimizer never sees the state. A matmul without a site in the state (no
+state at all, or one inside a loop body: see `init_state`) uses current scaling.
+
+Example::
+
+    model = jamp.wrap(Transformer(cfg), "mixed_fp8")          # stateless: current scaling
+    fp8_state = jamp.fp8.init_state(loss_fn, params, {}, batch, key, recipe="delayed")
+    state = jamp.TrainState.create(params, tx, fp8_state=fp8_state)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import re
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+
+from jamp import mixed_ops
+
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+E5M2 = np.dtype(jnp.float8_e5m2)
+#: In an autocast program, this "compute dtype" means: fp8 matmuls, bfloat16 everything else.
+MATMUL_MARKER = E4M3
+#: The dtype carried between matmuls under an fp8 policy.
+CARRIER = np.dtype(jnp.bfloat16)
+RECIPES = ("current", "delayed")
+#: Rows of a site's state: the activation (lhs), the weight (rhs), the incoming gradient.
+ROWS = ("x", "w", "g")
+_FMAX = np.array([448.0, 448.0, 57344.0], np.float32)
+_F32 = np.dtype(np.float32)
+# A scale from a tiny (or subnormal) amax must stay finite.
+_SCALE_CAP = 2.0**100
+
+
+def is_fp8(dtype) -> bool:
+    """Whether `dtype` is the autocast marker for fp8 matmuls."""
+    return dtype is not None and np.dtype(dtype) == MATMUL_MARKER
+
+
+def carrier(dtype):
+    """The dtype an autocast program computes in between matmuls: bfloat16 for the fp8 marker."""
+    return CARRIER if is_fp8(dtype) else dtype
+
+
+# ----- formats
+
+
+def quantize(x: jax.Array, scale, dtype) -> jax.Array:
+    """`x * scale` in fp8 `dtype`, finite values saturated to its range, inf / NaN kept non-finite.
+
+    Rounding is to nearest, ties to even (XLA's conversion); a finite value beyond the range
+    becomes +-fmax rather than NaN (E4M3) or inf (E5M2). A non-finite `x` stays non-finite
+    (E4M3 has no infinity: inf becomes NaN there).
+    """
+    fmax = float(jnp.finfo(dtype).max)
+    y = x.astype(_F32) * jnp.asarray(scale, _F32)
+    y = jnp.where(jnp.isfinite(x), jnp.clip(y, -fmax, fmax), y)
+    return y.astype(dtype)
+
+
+def dequantize(q: jax.Array, scale, dtype=jnp.float32) -> jax.Array:
+    """The values `q` stands for: `q / scale`, in `dtype`."""
+    return (q.astype(_F32) / jnp.asarray(scale, _F32)).astype(dtype)
+
+
+def scale_for(amax, fmax, margin: float = 0.0, fallback=1.0):
+    """`fmax / (amax * 2**margin)`; `fallback` where amax is zero or not finite."""
+    amax = jnp.asarray(amax, _F32)
+    ok = jnp.isfinite(amax) & (amax > 0)
+    scale = jnp.asarray(fmax, _F32) / (jnp.where(ok, amax, 1.0) * np.float32(2.0**margin))
+    return jnp.where(ok, jnp.minimum(scale, _SCALE_CAP), jnp.asarray(fallback, _F32))
+
+
+def _amax(x) -> jax.Array:
+    return jnp.max(jnp.abs(x.astype(_F32))) if x.size else jnp.zeros((), _F32)
+
+
+# ----- the state
+
+
+@struct.dataclass
+class Site:
+    """One matmul site's scaling state: rows x (activation), w (weight), g (gradient).
+
+    Attributes:
+      amax_history: f32[3, history], newest first.
+      scale: f32[3], the scales the next step quantises with (delayed recipe).
+    """
+
+    amax_history: jax.Array
+    scale: jax.Array
+
+
+@struct.dataclass
+class Fp8State:
+    """The scaling state of every fp8 matmul site of a program, a pytree for `TrainState`.
+
+    Attributes:
+      sites: site name (module path and `dot_general` index) -> `Site`.
+      recipe: "delayed" (quantise with the state's scales) or "current" (quantise with this
+        step's amax; the state only records, for metrics).
+      margin: scales are `fmax / (amax * 2**margin)`.
+    """
+
+    sites: dict
+    recipe: str = struct.field(pytree_node=False, default="delayed")
+    margin: float = struct.field(pytree_node=False, default=0.0)
+
+    @property
+    def history(self) -> int:
+        """The amax history length (0 for a state without sites)."""
+        site = next(iter(self.sites.values()), None)
+        return 0 if site is None else int(np.shape(site.amax_history)[1])
+
+
+def _new_site(history: int) -> Site:
+    return Site(jnp.zeros((3, history), _F32), jnp.ones((3,), _F32))
+
+
+def check_recipe(recipe: str, history: int, margin: float) -> None:
+    """Raises ValueError (one line, what is accepted) for a bad recipe, history or margin."""
+    if recipe not in RECIPES:
+        raise ValueError(f"fp8 recipe {recipe!r} is not one of {', '.join(RECIPES)}")
+    if not isinstance(history, int) or isinstance(history, bool) or history < 1:
+        raise ValueError(f"fp8 amax history must be an int >= 1, got {history!r}")
+    if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not margin >= 0:
+        raise ValueError(f"fp8 margin must be a number >= 0, got {margin!r}")
+
+
+def init_state(
+    fn: Callable, *args, recipe: str = "delayed", history: int = 16, margin: float = 0.0, **kwargs
+) -> Fp8State:
+    """The scaling state for every fp8 matmul site that `fn(*args, **kwargs)` traces.
+
+    `fn` is what the train step differentiates, typically its `loss_fn` on a batch; it is traced
+    abstractly (nothing runs). Sites are the fp8 `dot_general`s the program runs directly, in
+    `jit`s and in `remat`s; those inside loop or branch bodies (`scan`, `while`, `cond`) and
+    custom-derivative functions run once per iteration or not at all, so one state cannot
+    describe them: they use current scaling.
+
+    Args:
+      fn, args, kwargs: the function and example arguments (arrays or ShapeDtypeStructs).
+      recipe: "delayed" or "current" (the state then only records amaxes, for metrics).
+      history: how many steps of amax the delayed recipe remembers (current: 1).
+      margin: scales are `fmax / (amax * 2**margin)`.
+
+    Returns:
+      An `Fp8State` with one `Site` per site, scales 1 and an empty (zero) history.
+    """
+    check_recipe(recipe, history, margin)
+    found: list[str] = []
+    token = _ACTIVE.set(_Scope(None, found))
+    try:
+        jax.eval_shape(fn, *args, **kwargs)
+    finally:
+        _ACTIVE.reset(token)
+    length = history if recipe == "delayed" else 1
+    return Fp8State({name: _new_site(length) for name in found}, recipe, float(margin))
+
+
+@dataclasses.dataclass
+class _Scope:
+    state: Optional[Fp8State]
+    found: Optional[list]  # site names, when `init_state` collects them
+
+
+_ACTIVE: contextvars.ContextVar[Optional[_Scope]] = contextvars.ContextVar(
+    "jamp_fp8_scope", default=None
+)
+
+
+@contextlib.contextmanager
+def scaling(state: Optional[Fp8State]):
+    """While a function is traced in this context, its fp8 matmuls read their scales from `state`
+    (delayed recipe) and report this step's amaxes through the derivative with respect to it."""
+    token = _ACTIVE.set(_Scope(state, None) if state is not None else None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def uses_state(state: Any) -> bool:
+    """Whether `state` is an `Fp8State` with sites (a train step then threads it)."""
+    return isinstance(state, Fp8State) and bool(state.sites)
+
+
+def combine(a: Fp8State, b: Fp8State) -> Fp8State:
+    """Two steps' (microbatches') observations as one: the elementwise max."""
+    return jax.tree.map(jnp.maximum, a, b)
+
+
+def pmax(observed: Fp8State, axis_name: str) -> Fp8State:
+    """Observations agreed by every replica: the max over `axis_name`."""
+    return jax.tree.map(lambda x: lax.pmax(x, axis_name), observed)
+
+
+def update(state: Fp8State, observed: Fp8State) -> Fp8State:
+    """The state after a step whose observations (the derivative w.r.t. the state) are `observed`.
+
+    Pseudo-code, per site and row::
+
+        history = [amax_now] + history[:-1]
+        scale = fmax / (max(history) * 2**margin)     # unchanged while the history is all zero
+    """
+
+    def one(site: Site, seen: Site) -> Site:
+        now = seen.amax_history[:, :1]
+        history = jnp.concatenate([now, site.amax_history[:, :-1]], axis=1)
+        scale = scale_for(jnp.max(history, axis=1), _FMAX, state.margin, site.scale)
+        return Site(history, scale)
+
+    sites = {name: one(site, observed.sites[name]) for name, site in state.sites.items()}
+    return state.replace(sites=sites)
+
+
+def metrics(state: Fp8State, names: Optional[Sequence[str]] = None) -> dict:
+    """`{site: {"x_amax", "x_scale", "w_amax", ...}}` (the newest amax) for `names` (default all)."""
+    out = {}
+    for name in state.sites if names is None else names:
+        site = state.sites[name]
+        out[name] = {
+            f"{row}_{what}": value[i]
+            for i, row in enumerate(ROWS)
+            for what, value in (("amax", site.amax_history[:, 0]), ("scale", site.scale))
+        }
+    return out
+
+
+def representative(state: Fp8State, count: int = 3) -> list[str]:
+    """Up to `count` site names spread over the program: the first, the middle, the last."""
+    names = list(state.sites)
+    if len(names) <= count:
+        return names
+    picks = sorted({round(i * (len(names) - 1) / (count - 1)) for i in range(count)})
+    return [names[i] for i in picks]
+
+
+# ----- site names
+
+_TAGS = re.compile(r"jamp_policy_\d+_/?")
+
+
+def site_name(name_stack: str, counts: dict) -> str:
+    """A stable name for the next `dot_general` at `name_stack` ("Block_0/Dense_0/dot_general",
+    then "..._1" for a second one there); `counts` is the trace's running tally."""
+    stack = _TAGS.sub("", name_stack).strip("/")
+    base = f"{stack}/dot_general" if stack else "dot_general"
+    index = counts.get(base, 0)
+    counts[base] = index + 1
+    return base if index == 0 else f"{base}_{index}"
+
+
+# ----- the fp8 matmul
+
+
+def _dot(lhs, rhs, dims):
+    return lax.dot_general(lhs, rhs, dims, preferred_element_type=_F32)
+
+
+def _observed_site(site: Site, amaxes) -> Site:
+    """The derivative handed back for `site`: this use's amaxes in the newest history column."""
+    history = jnp.zeros_like(site.amax_history)
+    history = history.at[:, 0].set(jnp.stack(amaxes).astype(_F32))
+    return Site(history, jnp.zeros_like(site.scale))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _f8_dot(lhs, rhs, site, dims, out_dtype, delayed, margin):
+    return _f8_fwd(lhs, rhs, site, dims, out_dtype, delayed, margin)[0]
+
+
+def _f8_fwd(lhs, rhs, site, dims, out_dtype, delayed, margin):
+    ax, aw = _amax(lhs), _amax(rhs)
+    if delayed:
+        sx, sw = site.scale[0], site.scale[1]
+    else:
+        sx, sw = scale_for(ax, _FMAX[0], margin), scale_for(aw, _FMAX[1], margin)
+    xq, wq = quantize(lhs, sx, E4M3), quantize(rhs, sw, E4M3)
+    out = (_dot(xq, wq, dims) * (1.0 / (sx * sw))).astype(out_dtype)
+    like = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
+    return out, (xq, wq, sx, sw, ax, aw, site, like)
+
+
+def _f8_bwd(dims, out_dtype, delayed, margin, residuals, g):
+    del out_dtype
+    xq, wq, sx, sw, ax, aw, site, (lhs_like, rhs_like) = residuals
+    ag = _amax(g)
+    sg = site.scale[2] if delayed else scale_for(ag, _FMAX[2], margin)
+    gq = quantize(g, sg, E5M2)
+    (l_dims, l_perm), (r_dims, r_perm) = mixed_ops.backward_dims(dims, xq.ndim, wq.ndim, g.ndim)
+    d_lhs = lax.transpose(_dot(gq, wq, l_dims) * (1.0 / (sg * sw)), l_perm)
+    d_rhs = lax.transpose(_dot(xq, gq, r_dims) * (1.0 / (sx * sg)), r_perm)
+    return (
+        d_lhs.astype(lhs_like.dtype),
+        d_rhs.astype(rhs_like.dtype),
+        _observed_site(site, (ax, aw, ag)),
+    )
+
+
+_f8_dot.defvjp(_f8_fwd, _f8_bwd)
+
+
+def dot_general(lhs, rhs, dimension_numbers, out_dtype, site: Optional[str] = None):
+    """`lax.dot_general` with E4M3 operands forward, E5M2 gradients backward, fp32 accumulation.
+
+    Args:
+      lhs, rhs: floating arrays of any dtype (the activation and the weight).
+      dimension_numbers: as for `lax.dot_general`.
+      out_dtype: dtype of the result.
+      site: this matmul's site name, or None (a matmul no state can describe). Under `scaling`,
+        a site the state holds is scaled by the state's recipe and reports its amaxes; any other
+        uses current scaling. Under `init_state`, the name is collected.
+
+    Returns:
+      The product, in `out_dtype`; gradients come back in `lhs.dtype` and `rhs.dtype`.
+    """
+    dims = tuple(tuple(tuple(int(d) for d in axes) for axes in pair) for pair in dimension_numbers)
+    scope = _ACTIVE.get()
+    if scope is not None and scope.found is not None and site is not None:
+        scope.found.append(site)
+    state = scope.state if scope is not None else None
+    if state is not None and site in state.sites:
+        delayed, margin, entry = state.recipe == "delayed", state.margin, state.sites[site]
+    else:
+        delayed, margin, entry = False, 0.0 if state is None else state.margin, _new_site(1)
+    return _f8_dot(lhs, rhs, entry, dims, np.dtype(out_dtype), delayed, float(margin))
