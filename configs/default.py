@@ -51,6 +51,13 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     # module and per dtype class (16-bit / fp32 matmul, convolution, elementwise, collectives) as
     # a share of the step, written to profile.txt / .png / .json in the workdir. 0: off.
     c.profile_steps = 0
+    # fp8 policies (mixed_fp8): how matmul operands are scaled into fp8. delayed: from the largest
+    # amax of the last fp8_history steps, kept in the train state (checkpointed); current: from
+    # this step's amax (the state then only records amaxes, for the metrics). Scales are
+    # fmax / (amax * 2**fp8_margin).
+    c.fp8_recipe = "delayed"
+    c.fp8_history = 16
+    c.fp8_margin = 0.0
 
     # pmap (jamp.parallel: every device holds the whole state) | sharded (jit on a device mesh,
     # the state split over its fsdp axis: jamp.sharding); mesh: the sharded run's axis sizes over

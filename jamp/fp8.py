@@ -147,13 +147,13 @@ def _new_site(history: int) -> Site:
 
 
 def check_recipe(recipe: str, history: int, margin: float) -> None:
-    """Raises ValueError (one line, what is accepted) for a bad recipe, history or margin."""
+    """Raises ValueError (one line, naming the argument and what it accepts) for a bad value."""
     if recipe not in RECIPES:
-        raise ValueError(f"fp8 recipe {recipe!r} is not one of {', '.join(RECIPES)}")
+        raise ValueError(f"recipe {recipe!r} is not one of {', '.join(RECIPES)}")
     if not isinstance(history, int) or isinstance(history, bool) or history < 1:
-        raise ValueError(f"fp8 amax history must be an int >= 1, got {history!r}")
+        raise ValueError(f"history (of amaxes) must be an int >= 1, got {history!r}")
     if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not margin >= 0:
-        raise ValueError(f"fp8 margin must be a number >= 0, got {margin!r}")
+        raise ValueError(f"margin must be a number >= 0, got {margin!r}")
 
 
 def init_state(

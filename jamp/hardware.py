@@ -303,6 +303,16 @@ def emulation_warning(policy, device=None, *, cpu: Optional[CpuInfo] = None) -> 
         'warning: mixed_bfloat16 computes in bfloat16, which AMD EPYC 7B13 ... float32 is ...'
     """
     dtype = np.dtype(policy.compute_dtype)
+    if getattr(policy, "matmul", "") == "f8":  # jamp.precision's fp8 policies
+        s = support(np.dtype("float8_e4m3fn"), device, cpu=cpu)
+        if s.native is not False:
+            return None
+        faster = "mixed_bfloat16" if support(BF16, device, cpu=cpu).native else "float32"
+        return (
+            f"warning: mixed_fp8 multiplies in fp8, which {s.device} does not run natively: its "
+            f"fp8 matmuls are emulated in float32 and slower than bfloat16's; {faster} is the "
+            "faster choice here."
+        )
     if dtype == F32:
         return None
     s = support(dtype, device, cpu=cpu)

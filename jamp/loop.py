@@ -21,7 +21,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jamp import data as data_lib
-from jamp import parallel, run_log, sharding, tasks
+from jamp import fp8, parallel, run_log, sharding, tasks
 from jamp.checkpoint import Checkpointer
 from jamp.metrics import MetricWriter, mean_metrics, peak_memory_mib, summary_table
 from jamp.models import get_model
@@ -68,13 +68,35 @@ def build_model(run: RunConfig, data_cfg, task: str):
     return dataset, model
 
 
-def init_state(model, tx, loss_scale, info, seed) -> TrainState:
-    """A fresh TrainState for `model` on data described by `info` (a dataset's `.info`)."""
+def init_state(model, tx, loss_scale, info, seed, fp8_scaling=None) -> TrainState:
+    """A fresh TrainState for `model` on data described by `info` (a dataset's `.info`).
+
+    `fp8_scaling`, `(recipe, history, margin)` under an fp8 policy, gives it an fp8 state with a
+    site for every fp8 matmul of the train step's loss."""
     dtype = jnp.int32 if info.task == "lm" else jnp.float32
     dummy = jnp.zeros((1, *info.input_shape), dtype)
     variables = dict(model.init(jax.random.key(seed), dummy, train=False))
     params = variables.pop("params")
-    return TrainState.create(params, tx, model_state=variables, loss_scale=loss_scale)
+    fp8_state = None
+    if fp8_scaling is not None:
+        recipe, history, margin = fp8_scaling
+        if info.task == "lm":
+            batch = {"tokens": jnp.zeros((1, info.input_shape[0] + 1), jnp.int32)}
+        else:
+            batch = {"image": dummy, "label": jnp.zeros((1,), jnp.int32)}
+        fp8_state = fp8.init_state(
+            tasks.make_loss_fn(model, info.task),
+            params,
+            variables,
+            batch,
+            jax.random.key(seed),
+            recipe=recipe,
+            history=history,
+            margin=margin,
+        )
+    return TrainState.create(
+        params, tx, model_state=variables, loss_scale=loss_scale, fp8_state=fp8_state
+    )
 
 
 class _StopFlag:
@@ -215,7 +237,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
     dataset, model = build_model(run, data_cfg, task)
     workdir = prepare_workdir(workdir)
     tx, schedule = make_optimizer(optim_cfg)
-    state = init_state(model, tx, run.loss_scale, dataset.info, run.seed)
+    state = init_state(model, tx, run.loss_scale, dataset.info, run.seed, run.fp8)
     with Checkpointer(workdir / "checkpoints", max_to_keep=run.max_checkpoints_to_keep) as ckpt:
         if ckpt.latest_step() is not None:
             # CheckpointError if it belongs to another config; damaged newer ones are set aside
@@ -361,6 +383,16 @@ def _train(
     return summary
 
 
+def _fp8_summary(run, state) -> str:
+    recipe, history, margin = run.fp8
+    sites = len(state.fp8_state.sites) if fp8.uses_state(state.fp8_state) else 0
+    how = f"delayed (amax history {history})" if recipe == "delayed" else "current"
+    return (
+        f"{how}, margin {margin:g}, {sites} fp8 matmuls; output head, embedding and "
+        "convolutions bf16"
+    )
+
+
 def _summary(run, task, state, step, eval_metrics, steps_timed, time_timed, dataset, t_begin):
     metric = "perplexity" if task == "lm" else "accuracy"
     memory = peak_memory_mib()
@@ -373,6 +405,7 @@ def _summary(run, task, state, step, eval_metrics, steps_timed, time_timed, data
         "policy": describe(run.policy),
         "parallelism": parallelism,
         "loss scale": type(run.loss_scale).__name__,
+        **({"fp8 scaling": _fp8_summary(run, state)} if run.fp8 else {}),
         "steps": step,
         "skipped steps": int(state.skipped_steps),
         "final loss scale": float(state.loss_scale.loss_scale),

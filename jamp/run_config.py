@@ -22,7 +22,7 @@ import numpy as np
 
 from jamp import activations as activations_lib
 from jamp import data as data_lib
-from jamp import hardware, sharding
+from jamp import fp8, hardware, precision, sharding
 from jamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jamp.models import model_task
 from jamp.optim import OptimConfig
@@ -61,6 +61,8 @@ class RunConfig:
     mesh: Any = None  # a jax.sharding.Mesh when parallelism == "sharded"
     trace_nonfinite: bool = False
     profile_steps: int = 0
+    # (recipe, history, margin) of an fp8 policy's scaling (`jamp.fp8`); None: no fp8 matmuls.
+    fp8: Any = None
 
 
 def _make_loss_scale(kind: str, p: ml_collections.ConfigDict, policy: jmp.Policy):
@@ -185,8 +187,20 @@ def parse_config(config: ml_collections.ConfigDict):
         mesh=mesh,
         trace_nonfinite=_trace_nonfinite(config),
         profile_steps=_profile_steps(config),
+        fp8=_fp8(config, policy),
     )
     return run, data, optim, task
+
+
+def _fp8(config, policy):
+    recipe = config.get("fp8_recipe", "delayed")
+    history = config.get("fp8_history", 16)
+    margin = config.get("fp8_margin", 0.0)
+    try:
+        fp8.check_recipe(recipe, history, margin)
+    except ValueError as e:  # checked for every policy: a typo should not wait for an fp8 run
+        raise ConfigError(f"fp8_{e}") from None
+    return (recipe, history, float(margin)) if precision.is_fp8(policy) else None
 
 
 def _trace_nonfinite(config) -> bool:

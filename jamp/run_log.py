@@ -10,7 +10,7 @@ import sys
 import jax
 import numpy as np
 
-from jamp import hardware, tasks
+from jamp import fp8, hardware, precision, tasks
 from jamp.inspect.overflow import forward_nonfinite
 from jamp.inspect.profile import profile_steps
 from jamp.overflow_watch import TrainingDiverged, advice
@@ -70,7 +70,12 @@ def hardware_notes(spec, policy) -> dict:
             print(warning, file=sys.stderr, flush=True)
     compute = np.dtype(policy.compute_dtype)
     rows = {"auto policy": picked} if picked else {}
-    if compute != np.float32:
+    if precision.is_fp8(policy):
+        support = hardware.support(fp8.E4M3)
+        native = {True: "native", False: "emulated", None: "unknown"}[support.native]
+        lowering = hardware.matmul_lowering(compute)
+        rows["hardware"] = f"fp8 {native} on {support.device}; the bfloat16 matmuls: {lowering}"
+    elif compute != np.float32:
         support = hardware.support(compute)
         native = {True: "native", False: "emulated", None: "unknown"}[support.native]
         lowering = hardware.matmul_lowering(compute)
