@@ -475,7 +475,9 @@ def _eval_eqn(eqn, invals, weak, compute_dtype, ctx: _Ctx, placed=None):
     if ctx.lower and compute_dtype is not None and compute_dtype.itemsize < 4:
         return _eval_lowered(eqn, invals, weak, compute_dtype, ctx, placed)
     outs = _eval_as_traced(eqn, invals, compute_dtype, ctx, weak, placed)
-    poly = eqn.primitive.name in act.POLYMORPHIC_PRIMITIVES
+    # A cast of a variable (a layer with `dtype=` casts its kernel) is still the variable: fp8
+    # tells a layer's matmul by its weak operand.
+    poly = eqn.primitive.name in act.POLYMORPHIC_PRIMITIVES | {"convert_element_type"}
     return outs, [poly and all(weak)] * len(outs)
 
 

@@ -11,7 +11,9 @@ Recipes, per matmul site (one `dot_general` of the traced program):
 
 * ``"current"``: `amax` is the tensor's own, now. Stateless; one reduction before each GEMM.
 * ``"delayed"``: `s` comes from the largest amax of the last `history` steps, kept in `Fp8State`;
-  this step's amax is recorded for the next. No reduction stands before the GEMM.
+  this step's amax is recorded for the next. No reduction stands before the GEMM. A site's first
+  step, with nothing in its history yet, is scaled by current scaling (not by a scale of 1,
+  which would flush a small gradient to zero or saturate a large activation).
 
 How the state reaches the matmuls and this step's amaxes leave them, with nothing for the user
 to thread: the train step runs the loss under `scaling(state)`, and each fp8 matmul traced there
@@ -299,12 +301,19 @@ def _f8_dot(lhs, rhs, site, dims, out_dtype, delayed, margin):
     return _f8_fwd(lhs, rhs, site, dims, out_dtype, delayed, margin)[0]
 
 
+def _scale(site: Site, row: int, amax, delayed: bool, margin: float):
+    """The scale of one operand: the state's (delayed) once the site has a history, else the
+    tensor's own (current scaling; also a delayed site's first step, which has no history)."""
+    now = scale_for(amax, _FMAX[row], margin)
+    if not delayed:
+        return now
+    seen = jnp.max(site.amax_history[row]) > 0
+    return jnp.where(seen, site.scale[row], now)
+
+
 def _f8_fwd(lhs, rhs, site, dims, out_dtype, delayed, margin):
     ax, aw = _amax(lhs), _amax(rhs)
-    if delayed:
-        sx, sw = site.scale[0], site.scale[1]
-    else:
-        sx, sw = scale_for(ax, _FMAX[0], margin), scale_for(aw, _FMAX[1], margin)
+    sx, sw = _scale(site, 0, ax, delayed, margin), _scale(site, 1, aw, delayed, margin)
     xq, wq = quantize(lhs, sx, E4M3), quantize(rhs, sw, E4M3)
     out = (_dot(xq, wq, dims) * (1.0 / (sx * sw))).astype(out_dtype)
     like = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
@@ -315,7 +324,7 @@ def _f8_bwd(dims, out_dtype, delayed, margin, residuals, g):
     del out_dtype
     xq, wq, sx, sw, ax, aw, site, (lhs_like, rhs_like) = residuals
     ag = _amax(g)
-    sg = site.scale[2] if delayed else scale_for(ag, _FMAX[2], margin)
+    sg = _scale(site, 2, ag, delayed, margin)
     gq = quantize(g, sg, E5M2)
     (l_dims, l_perm), (r_dims, r_perm) = mixed_ops.backward_dims(dims, xq.ndim, wq.ndim, g.ndim)
     d_lhs = lax.transpose(_dot(gq, wq, l_dims) * (1.0 / (sg * sw)), l_perm)

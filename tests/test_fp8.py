@@ -1,0 +1,499 @@
+"""jamp.fp8: the formats against a reference built from their definitions, the scaled matmul
+forward and backward, the jaxpr of a wrapped model, and the delayed-scaling state in the step."""
+
+import itertools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jamp
+from jamp import fp8
+from jamp.models.transformer import TransformerLM
+
+# ----- the formats, from their definitions (OCP 8-bit floating point, v1.0)
+
+
+def _grid(exp_bits: int, man_bits: int, bias: int, ieee: bool) -> np.ndarray:
+    """Every finite non-negative value of the format, from its bit fields: subnormals at
+    exponent field 0, normals above; E5M2 (ieee) reserves the top exponent for inf / NaN, E4M3
+    only the all-ones pattern S.1111.111 for NaN."""
+    values = []
+    for e, m in itertools.product(range(2**exp_bits), range(2**man_bits)):
+        if ieee and e == 2**exp_bits - 1:
+            continue
+        if not ieee and e == 2**exp_bits - 1 and m == 2**man_bits - 1:
+            continue
+        if e == 0:
+            values.append(m / 2**man_bits * 2.0 ** (1 - bias))
+        else:
+            values.append((1 + m / 2**man_bits) * 2.0 ** (e - bias))
+    return np.array(sorted(values))
+
+
+GRIDS = {
+    fp8.E4M3: _grid(4, 3, 7, ieee=False),
+    fp8.E5M2: _grid(5, 2, 15, ieee=True),
+}
+
+
+def _reference(x: np.ndarray, dtype) -> np.ndarray:
+    """Round to nearest, ties to the even code (the one whose last mantissa bit is 0);
+    saturate finite values to the largest; inf -> NaN (E4M3) or inf (E5M2); NaN -> NaN."""
+    grid = GRIDS[np.dtype(dtype)]
+    out = np.empty_like(x, dtype=np.float64)
+    for i, v in enumerate(x.astype(np.float64)):
+        if np.isnan(v) or np.isinf(v):
+            out[i] = np.nan if (np.isnan(v) or dtype == fp8.E4M3) else v
+            continue
+        a = min(abs(v), grid[-1])
+        j = np.searchsorted(grid, a)
+        if j < len(grid) and grid[j] == a:
+            r = a
+        else:
+            lo, hi = grid[j - 1], grid[j]
+            if a - lo < hi - a:
+                r = lo
+            elif hi - a < a - lo:
+                r = hi
+            else:  # a tie: the grid alternates even and odd codes, index parity is code parity
+                r = lo if (j - 1) % 2 == 0 else hi
+        out[i] = np.copysign(r, v)
+    return out
+
+
+def _battery(dtype) -> np.ndarray:
+    grid = GRIDS[np.dtype(dtype)]
+    rng = np.random.default_rng(0)
+    mids = (grid[1:] + grid[:-1]) / 2  # exact ties
+    return np.concatenate(
+        [
+            grid,
+            -grid,
+            mids,
+            -mids,
+            np.nextafter(mids, 0),
+            np.nextafter(mids, np.inf),
+            rng.normal(size=2000) * 10.0 ** rng.uniform(-4, 5, size=2000),
+            [grid[-1] * 1.01, grid[-1] * 1e3, 3e38, -3e38, grid[1] / 2, grid[1] / 3, 0.0],
+            [np.inf, -np.inf, np.nan],
+        ]
+    ).astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", [fp8.E4M3, fp8.E5M2], ids=["e4m3", "e5m2"])
+def test_quantize_matches_the_format_definition(dtype):
+    x = _battery(dtype)
+    got = np.asarray(fp8.quantize(jnp.asarray(x), 1.0, dtype).astype(jnp.float32), np.float64)
+    want = _reference(x, dtype)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    np.testing.assert_array_equal(got[ok], want[ok])
+    assert float(np.max(got[np.isfinite(got)])) == {fp8.E4M3: 448.0, fp8.E5M2: 57344.0}[dtype]
+
+
+def test_quantize_scales_and_dequantize_inverts_on_the_grid():
+    grid = GRIDS[fp8.E4M3][1:]
+    scale = 2.0**-5  # a power of two: grid values divided by it quantise exactly
+    q = fp8.quantize(jnp.asarray(grid / scale, jnp.float32), scale, fp8.E4M3)
+    np.testing.assert_array_equal(np.asarray(q.astype(jnp.float32)), grid.astype(np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(fp8.dequantize(q, scale)), (grid / scale).astype(np.float32)
+    )
+
+
+def test_quantize_keeps_an_overflow_non_finite_even_where_the_scale_would_saturate_it():
+    x = jnp.asarray([np.inf, -np.inf, np.nan, 1e30], jnp.float32)
+    e4 = np.asarray(fp8.quantize(x, 1e10, fp8.E4M3).astype(jnp.float32))
+    e5 = np.asarray(fp8.quantize(x, 1e10, fp8.E5M2).astype(jnp.float32))
+    assert np.isnan(e4[:3]).all() and e4[3] == 448.0
+    assert e5[0] == np.inf and e5[1] == -np.inf and np.isnan(e5[2]) and e5[3] == 57344.0
+
+
+def test_scale_for_guards_zero_and_non_finite_amax_and_applies_the_margin():
+    amax = jnp.asarray([2.0, 0.0, np.inf, np.nan, 1e-37], jnp.float32)
+    s = np.asarray(fp8.scale_for(amax, 448.0, margin=1.0, fallback=7.0))
+    assert s[0] == 448.0 / 2.0 / 2.0
+    assert list(s[1:4]) == [7.0, 7.0, 7.0]
+    assert np.isfinite(s[4]) and s[4] == 2.0**100
+
+
+# ----- the scaled matmul
+
+DIMS = (((1,), (0,)), ((), ()))
+
+
+def _qdq(x, dtype):
+    """Quantise-dequantise with the tensor's own (current) scale, in numpy float64."""
+    fmax = float(jnp.finfo(dtype).max)
+    s = np.float32(fmax) / np.float32(np.max(np.abs(x)))
+    q = np.asarray(fp8.quantize(jnp.asarray(x), s, dtype).astype(jnp.float32), np.float64)
+    return q / np.float64(s)
+
+
+def test_dot_general_forward_and_backward_equal_the_dequantised_products():
+    k = jax.random.split(jax.random.key(0), 3)
+    x = np.asarray(jax.random.normal(k[0], (6, 32)))
+    w = np.asarray(jax.random.normal(k[1], (32, 8))) * 0.1
+    g = np.asarray(jax.random.normal(k[2], (6, 8))) * 1e-3
+    out, vjp = jax.vjp(lambda a, b: fp8.dot_general(a, b, DIMS, jnp.float32), x, w)
+    dx, dw = vjp(jnp.asarray(g))
+    xq, wq, gq = _qdq(x, fp8.E4M3), _qdq(w, fp8.E4M3), _qdq(g, fp8.E5M2)
+    np.testing.assert_allclose(out, xq @ wq, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dx, gq @ wq.T, rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(dw, xq.T @ gq, rtol=1e-5, atol=1e-9)
+    # and fp8's error against the exact product is what 3 (2) mantissa bits give: a few percent
+    rel = np.linalg.norm(out - x @ w) / np.linalg.norm(x @ w)
+    assert 1e-3 < rel < 0.06
+
+
+def test_dot_general_batched_dims_and_its_gradients_run_on_cpu():
+    k = jax.random.split(jax.random.key(1), 2)
+    a, b = jax.random.normal(k[0], (2, 5, 8)), jax.random.normal(k[1], (2, 8, 3))
+    dims = (((2,), (1,)), ((0,), (0,)))
+    f = jax.jit(jax.grad(lambda a, b: fp8.dot_general(a, b, dims, jnp.float32).sum(), (0, 1)))
+    da, db = f(a, b)
+    assert da.shape == a.shape and db.shape == b.shape and da.dtype == jnp.float32
+
+
+# ----- a wrapped model: which matmuls are fp8, forward and backward
+
+VOCAB, LEN, BATCH = 64, 16, 8
+
+
+def _lm(num_layers=2):
+    return TransformerLM(VOCAB, num_layers=num_layers, d_model=32, num_heads=2, mlp_dim=64)
+
+
+def _tokens(seed=0, batch=BATCH):
+    return jax.random.randint(jax.random.key(seed), (batch, LEN + 1), 0, VOCAB)
+
+
+def _loss_fn(model):
+    def loss_fn(params, model_state, tokens, rng):
+        del rng
+        logits = model.apply({"params": params, **model_state}, tokens[:, :-1], train=True)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        return loss, (model_state, {})
+
+    return loss_fn
+
+
+def _all_dots(closed):
+    from jax.extend import core as jcore
+
+    def walk(jaxpr):
+        found = []
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append(tuple(v.aval.dtype.name for v in eqn.invars))
+            for sub in jcore.jaxprs_in_params(eqn.params):
+                found.extend(walk(sub))
+        return found
+
+    return walk(closed.jaxpr)
+
+
+@pytest.fixture(scope="module")
+def lm_setup():
+    model = jamp.wrap(_lm(), "mixed_fp8")
+    params = model.init(jax.random.key(0), _tokens()[:, :-1])["params"]
+    return model, params
+
+
+def test_wrapped_model_layer_matmuls_are_fp8_forward_and_backward(lm_setup):
+    model, params = lm_setup
+    loss_fn = _loss_fn(model)
+    closed = jax.make_jaxpr(jax.grad(lambda p: loss_fn(p, {}, _tokens(), None)[0]))(params)
+    dots = _all_dots(closed)
+    e4, e5 = "float8_e4m3fn", "float8_e5m2"
+    layers = 2 * 6  # per block: query, key, value, out, two MLP matmuls
+    assert dots.count((e4, e4)) == layers  # forward: activation x weight, both E4M3
+    assert dots.count((e5, e4)) == layers  # d activation = g x w
+    assert dots.count((e4, e5)) == layers  # d weight = x x g
+    # Everything else is bfloat16 x bfloat16: attention's scores and mix (activation x
+    # activation) and the tied output head, forward and backward; nothing is float32.
+    others = [d for d in dots if e4 not in d and e5 not in d]
+    assert others and all(d == ("bfloat16", "bfloat16") for d in others), others
+    assert len(others) == 2 * 2 * 3 + 3  # 2 attention dots per block, x3 with grads; the head
+
+
+def test_wrapped_model_an_override_puts_the_head_in_fp8_and_one_keeps_a_block_bf16():
+    lm = _lm()
+    tokens = _tokens()[:, :-1]
+
+    def fp8_dots(model):
+        params = model.init(jax.random.key(0), tokens)["params"]
+        closed = jax.make_jaxpr(lambda p: model.apply({"params": p}, tokens))(params)
+        return sum("float8_e4m3fn" in d for d in _all_dots(closed))
+
+    assert fp8_dots(jamp.wrap(lm, "mixed_fp8")) == 12
+    assert fp8_dots(jamp.wrap(lm, "mixed_fp8", {"Embed_0": "mixed_fp8"})) == 13
+    assert fp8_dots(jamp.wrap(lm, "mixed_fp8", {"DecoderBlock_1": "mixed_bfloat16"})) == 6
+    assert fp8_dots(jamp.wrap(lm, "mixed_bfloat16")) == 0
+
+
+def test_gradients_under_mixed_fp8_are_close_to_mixed_bfloat16(lm_setup):
+    _, params = lm_setup
+    tokens = _tokens()
+
+    def grads(policy):
+        loss_fn = _loss_fn(jamp.wrap(_lm(), policy))
+        return jax.grad(lambda p: loss_fn(p, {}, tokens, None)[0])(params)
+
+    ref, bf16, f8 = grads("float32"), grads("mixed_bfloat16"), grads("mixed_fp8")
+
+    def rel(a, b):
+        la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+        num = sum(float(jnp.sum((x - y) ** 2)) for x, y in zip(la, lb))
+        return (num / sum(float(jnp.sum(y**2)) for y in lb)) ** 0.5
+
+    # Measured on this model (norm of the difference over the norm, all leaves): bf16 vs float32
+    # 0.009, fp8 vs bf16 0.153, fp8 vs float32 0.153; per leaf fp8 is 0.04-0.19 off, the most in
+    # the first block, whose gradient went through the most E5M2 roundings (2 mantissa bits:
+    # up to 12.5 % per value) on its way down; bf16 0.003-0.012.
+    assert rel(bf16, ref) < 0.02
+    assert rel(f8, bf16) < 0.25
+    assert rel(f8, ref) < 0.25
+    assert rel(f8, ref) > rel(bf16, ref)  # fp8 really changed the numbers
+
+
+# ----- the delayed-scaling state
+
+
+def test_init_state_has_a_site_per_layer_matmul_with_empty_history(lm_setup):
+    model, params = lm_setup
+    st = fp8.init_state(_loss_fn(model), params, {}, _tokens(), None, history=4)
+    assert len(st.sites) == 12 and st.history == 4 and st.recipe == "delayed"
+    name = "TransformerLM/DecoderBlock_0/Dense_0/dot_general"
+    assert name in st.sites
+    site = st.sites[name]
+    assert site.amax_history.shape == (3, 4) and not np.any(site.amax_history)
+    np.testing.assert_array_equal(site.scale, np.ones(3, np.float32))
+    assert (
+        fp8.init_state(_loss_fn(model), params, {}, _tokens(), None, recipe="current").history == 1
+    )
+    for bad, msg in [
+        (dict(recipe="late"), "recipe 'late' is not one of current, delayed"),
+        (dict(history=0), "history (of amaxes) must be an int >= 1"),
+        (dict(margin=-1), "margin must be a number >= 0"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            fp8.init_state(_loss_fn(model), params, {}, _tokens(), None, **bad)
+
+
+def test_update_rolls_the_history_and_scales_from_its_maximum():
+    st = fp8.Fp8State({"s": fp8._new_site(3)}, "delayed", 1.0)
+    seen = []
+    for amax in ([2.0, 4.0, 8.0], [1.0, 1.0, 16.0], [0.5, 0.5, 0.5], [0.25, 0.25, 0.25]):
+        obs = fp8.Fp8State(
+            {"s": fp8.Site(jnp.asarray(amax, jnp.float32)[:, None] * jnp.eye(1, 3), jnp.zeros(3))},
+            "delayed",
+            1.0,
+        )
+        st = fp8.update(st, obs)
+        seen.append(np.asarray(st.sites["s"].scale))
+    np.testing.assert_array_equal(st.sites["s"].amax_history[:, 0], [0.25, 0.25, 0.25])
+    np.testing.assert_allclose(seen[0], [448 / 2 / 2, 448 / 4 / 2, 57344 / 8 / 2])
+    np.testing.assert_allclose(seen[1], [448 / 2 / 2, 448 / 4 / 2, 57344 / 16 / 2])
+    np.testing.assert_allclose(seen[3], [448 / 1 / 2, 448 / 1 / 2, 57344 / 16 / 2])  # 2 dropped
+
+
+def _state(model, params, recipe="delayed", history=4):
+    st = fp8.init_state(
+        _loss_fn(model), params, {}, _tokens(), None, recipe=recipe, history=history
+    )
+    return jamp.TrainState.create(params, optax.adam(1e-3), fp8_state=st)
+
+
+def _run(step, state, batches):
+    metrics = None
+    for tokens in batches:
+        state, metrics = step(state, tokens, jax.random.key(1))
+    return state, metrics
+
+
+def test_train_step_updates_the_delayed_state_and_reports_sites(lm_setup):
+    model, params = lm_setup
+    tx = optax.adam(1e-3)
+    step = jax.jit(jamp.make_train_step(_loss_fn(model), tx))
+    state, metrics = _run(step, _state(model, params), [_tokens(s) for s in range(3)])
+    site = state.fp8_state.sites["TransformerLM/DecoderBlock_0/Dense_0/dot_general"]
+    assert np.all(site.amax_history[:, :3] > 0) and not np.any(site.amax_history[:, 3])
+    # the scale is fmax over the history's largest amax
+    want = fp8._FMAX / np.max(np.asarray(site.amax_history), axis=1)
+    np.testing.assert_allclose(site.scale, want, rtol=1e-6)
+    reported = metrics["fp8"]
+    assert len(reported) == 3 and set(reported) <= set(state.fp8_state.sites)
+    assert set(next(iter(reported.values()))) == {
+        f"{r}_{w}" for r in ("x", "w", "g") for w in ("amax", "scale")
+    }
+    # the optimizer never saw the state: Adam's moments are the params' tree
+    assert jax.tree.structure(state.opt_state[0].mu) == jax.tree.structure(params)
+    assert step._cache_size() == 1  # the state's dtypes and structure are stable: one compile
+
+
+def test_delayed_scaling_differs_from_current_and_uses_the_state(lm_setup):
+    model, params = lm_setup
+    step = jax.jit(jamp.make_train_step(_loss_fn(model), optax.adam(1e-3)))
+    batches = [_tokens(s) for s in range(3)]
+    delayed, _ = _run(step, _state(model, params, "delayed"), batches)
+    current, _ = _run(step, _state(model, params, "current"), batches)
+    stateless, _ = _run(step, jamp.TrainState.create(params, optax.adam(1e-3)), batches)
+    leaf = lambda s: np.asarray(s.params["DecoderBlock_0"]["Dense_0"]["kernel"])  # noqa: E731
+    # current scaling with a recording state is the stateless computation, bit for bit
+    np.testing.assert_array_equal(leaf(current), leaf(stateless))
+    assert not np.array_equal(leaf(delayed), leaf(current))
+
+
+def _poisoned_loss_fn(model):
+    inner = _loss_fn(model)
+
+    def loss_fn(params, model_state, batch, rng):
+        loss, aux = inner(params, model_state, batch["tokens"], rng)
+        return loss * batch["poison"], aux
+
+    return loss_fn
+
+
+def test_a_skipped_step_leaves_the_fp8_state_bit_identical(lm_setup):
+    model, params = lm_setup
+    step = jax.jit(jamp.make_train_step(_poisoned_loss_fn(model), optax.adam(1e-3)))
+    state = _state(model, params)
+    ok = {"tokens": _tokens(0), "poison": jnp.float32(1.0)}
+    bad = {"tokens": _tokens(1), "poison": jnp.float32(np.inf)}
+    state, _ = step(state, ok, jax.random.key(1))
+    before = jax.device_get(state.fp8_state)
+    state, metrics = step(state, bad, jax.random.key(1))
+    assert not bool(metrics["grads_finite"])
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.fp8_state)):
+        np.testing.assert_array_equal(a, b)
+    state, metrics = step(state, ok, jax.random.key(1))
+    assert bool(metrics["grads_finite"])
+    assert not np.array_equal(
+        before.sites[next(iter(before.sites))].amax_history,
+        state.fp8_state.sites[next(iter(before.sites))].amax_history,
+    )
+
+
+def test_microbatches_record_the_largest_activation_amax_of_the_batch(lm_setup):
+    model, params = lm_setup
+    loss_fn = _loss_fn(model)
+    tokens = _tokens(0, batch=16)
+    one = jax.jit(jamp.make_train_step(loss_fn, optax.adam(1e-3)))
+    # One step first, so that both quantise with the state's scales (a site's first step scales
+    # by its own amax: the microbatch's, which changes what the later layers see).
+    start, _ = one(_state(model, params), _tokens(1, batch=16), jax.random.key(1))
+    whole, _ = one(start, tokens, jax.random.key(1))
+    micro, _ = jax.jit(jamp.make_train_step(loss_fn, optax.adam(1e-3), accumulation_steps=2))(
+        start, tokens, jax.random.key(1)
+    )
+    for name in whole.fp8_state.sites:
+        a = np.asarray(whole.fp8_state.sites[name].amax_history[:2, 0])
+        b = np.asarray(micro.fp8_state.sites[name].amax_history[:2, 0])
+        np.testing.assert_array_equal(a, b)  # x and w: the max over microbatches is the batch's
+
+
+def test_eval_step_reads_the_delayed_scales(lm_setup):
+    model, params = lm_setup
+
+    def eval_fn(p, ms, tokens):
+        return {"loss": _loss_fn(model)(p, ms, tokens, None)[0]}
+
+    ev = jax.jit(jamp.make_eval_step(eval_fn))
+    fresh = _state(model, params)
+    step = jax.jit(jamp.make_train_step(_loss_fn(model), optax.sgd(0.0)))
+    trained, _ = _run(step, fresh, [_tokens(0)])  # lr 0: same params, scales from step 1
+    stateless = jamp.TrainState.create(params, optax.sgd(0.0))
+    # scales from batch 0 against batch 5's own amaxes
+    a, b = float(ev(trained, _tokens(5))["loss"]), float(ev(stateless, _tokens(5))["loss"])
+    assert a != b and abs(a - b) < 0.05 * abs(b)  # other scales, same model
+
+
+# ----- replicas and shards agree on the state
+#
+# From one state that already has a history (so every site quantises with the state's scales,
+# not with its first step's own amax: under pmap that would be each replica's local amax), one
+# step on a batch of 16: single device, pmap over 8 replicas, and the sharded step on a 2x4 mesh.
+
+
+@pytest.fixture(scope="module")
+def warm(lm_setup):
+    model, params = lm_setup
+    step = jax.jit(jamp.make_train_step(_loss_fn(model), optax.adam(1e-3)))
+    start, _ = step(_state(model, params), _tokens(7, batch=16), jax.random.key(1))
+    after, _ = step(start, _tokens(0, batch=16), jax.random.key(1))
+    return jax.device_get(start), jax.device_get(after)
+
+
+def _rows(fp8_state, row):
+    return {n: np.asarray(s.amax_history[row]) for n, s in fp8_state.sites.items()}
+
+
+def test_pmap_state_is_the_single_device_state_with_local_gradient_amaxes(lm_setup, warm):
+    from jamp import parallel
+
+    n = jax.local_device_count()
+    model, _ = lm_setup
+    start, want = warm
+    step = parallel.make_p_train_step(
+        jamp.make_train_step(_loss_fn(model), optax.adam(1e-3), axis_name=parallel.AXIS_NAME)
+    )
+    # The same state as pmap sees it: gradient amaxes n times larger, gradient scales n times
+    # smaller (the replica's cotangents are n times the single device's, see below).
+    times = jnp.asarray([1.0, 1.0, float(n)])
+    sites = {
+        name: fp8.Site(site.amax_history * times[:, None], site.scale / times)
+        for name, site in start.fp8_state.sites.items()
+    }
+    start = start.replace(fp8_state=start.fp8_state.replace(sites=sites))
+    state, _ = step(
+        parallel.replicate(start), parallel.shard(_tokens(0, batch=16)), jax.random.key(1)
+    )
+    replicas = jax.device_get(state.fp8_state)
+    for leaf in jax.tree.leaves(replicas):  # every replica holds the same state
+        assert all(np.array_equal(leaf[0], leaf[i]) for i in range(n))
+    got = parallel.unreplicate(state).fp8_state
+    for row in (0, 1):  # activations and weights: the max over replicas is the batch's
+        for name, value in _rows(want.fp8_state, row).items():
+            np.testing.assert_allclose(_rows(got, row)[name], value, rtol=1e-5)
+    # Gradients: each replica differentiates the mean over its own 2 examples, not over 16, so
+    # its cotangents are n times the single device's, and so are their amaxes (their scales are
+    # n times smaller: the fp8 values are the same).
+    for name, value in _rows(want.fp8_state, 2).items():
+        np.testing.assert_allclose(_rows(got, 2)[name], value * n, rtol=1e-5)
+
+
+def test_sharded_state_equals_the_single_device_state(lm_setup, warm):
+    from jamp import sharding
+
+    model, _ = lm_setup
+    start, want = warm
+    mesh = sharding.make_mesh("data=2,fsdp=4")
+    state = sharding.shard_state(start, mesh)
+    step = sharding.make_sharded_train_step(
+        jamp.make_train_step(_loss_fn(model), optax.adam(1e-3)),
+        mesh,
+        sharding.state_shardings(state),
+    )
+    state, _ = step(state, sharding.shard_batch(_tokens(0, batch=16), mesh), jax.random.key(1))
+    for a, b in zip(jax.tree.leaves(state.fp8_state), jax.tree.leaves(want.fp8_state)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5)
+
+
+def test_checkpoint_restores_the_fp8_state_bit_exactly(tmp_path, warm):
+    from jamp.checkpoint import Checkpointer
+
+    state = warm[1]
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        ckpt.save(2, state)
+        fresh = state.replace(fp8_state=jax.tree.map(jnp.zeros_like, state.fp8_state))
+        restored = ckpt.restore(fresh)
+    assert restored.fp8_state.recipe == "delayed" and restored.fp8_state.margin == 0.0
+    assert list(restored.fp8_state.sites) == list(state.fp8_state.sites)
+    for a, b in zip(jax.tree.leaves(restored.fp8_state), jax.tree.leaves(state.fp8_state)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
