@@ -53,4 +53,4 @@ def recipe_state(data_dir, overrides=None, recipe: str = "default"):
     dataset = data_lib.get_dataset(data_cfg, 1)
     model = wrap(get_model(run.model, dataset.info.num_classes, **run.model_config), run.policy)
     tx, _ = make_optimizer(optim_cfg)
-    return loop.init_state(model, tx, run.loss_scale, dataset.info, run.seed)
+    return loop.init_state(model, tx, run.loss_scale, dataset.info, run.seed, run.fp8)

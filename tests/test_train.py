@@ -212,6 +212,9 @@ ERRORS = [
     (["--config=configs/no_such_recipe.py"], "no_such_recipe"),
     (["--config.profile_steps=-1"], "profile_steps"),
     (["--config.profile_steps=1000"], "profile_steps"),
+    (["--config.fp8_recipe=late"], "fp8_recipe 'late' is not one of current, delayed"),
+    (["--config.fp8_history=0"], "fp8_history"),
+    (["--config.policy=p=f32,c=f16,o=f32,matmul=f8"], "matmul=f8 needs compute=bf16"),
 ]
 
 

@@ -1,0 +1,84 @@
+"""`python -m jamp.train` under fp8 policies: the real CLI in subprocesses, offline, on the LM
+recipe (the digits CNN's matmuls are few: the LM has 6 per block)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from subproc import recipe_state
+from test_train import _records, _smoke
+
+from jamp.checkpoint import Checkpointer
+
+STEPS, EVERY = 12, 6
+FLAGS = [
+    "--config.policy=mixed_fp8",
+    f"--config.num_train_steps={STEPS}",
+    f"--config.checkpoint_every_steps={EVERY}",
+    "--config.max_checkpoints_to_keep=5",
+    "--config.fp8_history=4",
+]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tfds")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_dir):
+    workdir = tmp_path_factory.mktemp("fp8") / "run"
+    out = _smoke("lm_pydoc", workdir, data_dir, *FLAGS)
+    return workdir, out
+
+
+def _restore(workdir, data_dir, step):
+    smoke = {  # configs/lm_pydoc.py's smoke variant
+        "model_config.num_layers": 1,
+        "model_config.d_model": 32,
+        "model_config.num_heads": 2,
+        "model_config.mlp_dim": 64,
+        "seq_len": 16,
+        "batch_size": 8,
+    }
+    target = recipe_state(
+        data_dir, {"policy": "mixed_fp8", "fp8_history": 4, **smoke}, recipe="lm_pydoc"
+    )
+    with Checkpointer(workdir / "checkpoints") as ckpt:
+        return ckpt.restore(target, step)
+
+
+def test_train_fp8_summary_metrics_and_the_checkpointed_state(reference, data_dir):
+    workdir, out = reference
+    assert "fp8 scaling" in out.stdout and "delayed (amax history 4)" in out.stdout
+    assert "matmul=fp8" in out.stdout
+    assert "fp8 emulated" in out.stdout  # the hardware row: this CPU has no fp8 matmuls
+    train = _records(workdir, "train")
+    keys = [k for k in train[-1] if k.startswith("fp8/")]
+    # three representative sites (first, middle, last), six numbers each
+    assert len(keys) == 18 and all(
+        k.rsplit("/", 1)[1] in {"x_amax", "x_scale", "w_amax", "w_scale", "g_amax", "g_scale"}
+        for k in keys
+    )
+    assert all(np.isfinite(train[-1][k]) and train[-1][k] > 0 for k in keys)
+    assert _records(workdir, "eval")[-1]["perplexity"] < 256
+    config = json.loads((workdir / "config.json").read_text())
+    assert config["fp8_recipe"] == "delayed"
+
+
+def test_train_fp8_resume_is_bit_identical(reference, tmp_path, data_dir):
+    workdir, _ = reference
+    resumed = tmp_path / "resumed"
+    shutil.copytree(workdir / "checkpoints", resumed / "checkpoints")
+    shutil.rmtree(resumed / "checkpoints" / str(STEPS))  # as if killed after step 6's save
+    out = _smoke("lm_pydoc", resumed, data_dir, *FLAGS)
+    assert f"resuming from the checkpoint at step {EVERY}" in out.stdout
+    want, got = _restore(workdir, data_dir, STEPS), _restore(resumed, data_dir, STEPS)
+    history = next(iter(got.fp8_state.sites.values())).amax_history
+    assert np.all(np.asarray(history) > 0)  # 12 steps filled the history of 4
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
