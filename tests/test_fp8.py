@@ -497,3 +497,17 @@ def test_checkpoint_restores_the_fp8_state_bit_exactly(tmp_path, warm):
     for a, b in zip(jax.tree.leaves(restored.fp8_state), jax.tree.leaves(state.fp8_state)):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_precision_report_counts_the_fp8_share(lm_setup):
+    from jamp.inspect import precision_report
+
+    model, params = lm_setup
+    loss_fn = _loss_fn(model)
+    report = precision_report(jax.grad(lambda p: loss_fn(p, {}, _tokens(), None)[0]), params)
+    t = report.totals
+    assert t.share_16bit() == 1.0  # fp8 or bf16: nothing left in float32
+    # Layers are fp8; attention's activation x activation matmuls and the head are bf16.
+    assert 0.7 < t.share_fp8() < 0.9
+    assert "fp8" in report.table() and "f8e5m2" in report.table()
+    assert not report.hazards

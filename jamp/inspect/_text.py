@@ -98,7 +98,7 @@ def _totals_lines(t) -> list[str]:
     widened = f"; {percent(upcast / total)} widened to f32 on this device" if upcast else ""
     lines = [
         f"matmul FLOPs: {si(total)}, {percent(t.share_16bit())} with 16-bit operands "
-        f"({phases}{widened})",
+        f"({phases}{widened})" + (f", {percent(t.share_fp8())} fp8" if t.share_fp8() > 0 else ""),
         "values produced: "
         + (", ".join(f"{d} {nbytes(n)}" for d, n in sorted(t.activation_bytes.items())) or "-"),
         f"elementwise work: {_by(t.elementwise)} elements",

@@ -63,11 +63,18 @@ REDUCING_COLLECTIVES = frozenset(
 #: ... and those that only move values (lossless in any dtype).
 MOVING_COLLECTIVES = frozenset({"all_gather", "all_to_all", "ppermute", "pbroadcast"})
 _SUMS = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp"})
-_SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64"}
+_SHORT = {
+    "bfloat16": "bf16",
+    "float16": "f16",
+    "float32": "f32",
+    "float64": "f64",
+    "float8_e4m3fn": "f8e4m3fn",
+    "float8_e5m2": "f8e5m2",
+}
 
 
 def short(dtype) -> str:
-    """HLO's short dtype name: bf16, f16, f32, ... (fp8 names as numpy spells them)."""
+    """HLO's short dtype name: bf16, f16, f32, f8e4m3fn, f8e5m2, ..."""
     name = np.dtype(dtype).name
     return _SHORT.get(name, name)
 

@@ -86,6 +86,11 @@ class Row:
         return sum(f for k, f in self.matmul_flops.items() if _is16(k.lhs) and _is16(k.rhs))
 
     @property
+    def flops_fp8(self) -> int:
+        """Matmul FLOPs whose two operands are fp8 (jamp.fp8: E4M3 / E5M2)."""
+        return sum(f for k, f in self.matmul_flops.items() if _is8(k.lhs) and _is8(k.rhs))
+
+    @property
     def flops_upcast(self) -> int:
         """Matmul FLOPs on 16-bit values widened to float32 for the product (see MatmulKind)."""
         return sum(f for k, f in self.matmul_flops.items() if k.upcast)
@@ -119,6 +124,12 @@ class Totals:
     elementwise: dict[str, int]  # dtype -> elements
     activation_bytes: dict[str, int]  # dtype -> bytes of values produced
     collective_bytes: dict[str, int]  # "psum bf16", "all-gather f32" -> bytes
+    matmul_flops_fp8: dict[str, int] = dataclasses.field(default_factory=dict)  # of the 16-bit
+
+    def share_fp8(self) -> float:
+        """The fraction of matmul FLOPs with fp8 operands (nan: no matmuls)."""
+        total = sum(self.matmul_flops.values())
+        return sum(self.matmul_flops_fp8.values()) / total if total else float("nan")
 
     def share_16bit(self, phase: Optional[str] = None) -> float:
         """The fraction of matmul FLOPs (in `phase`, or all) with 16-bit operands (nan: none)."""
@@ -154,7 +165,11 @@ class Report:
 
 
 def _is16(short: str) -> bool:
-    return short in ("bf16", "f16") or short.startswith("float8")
+    return short in ("bf16", "f16") or _is8(short)
+
+
+def _is8(short: str) -> bool:
+    return short.startswith(("f8", "float8"))
 
 
 def _rows(walker: _walk.Walker) -> list[Row]:
@@ -178,17 +193,18 @@ def _rows(walker: _walk.Walker) -> list[Row]:
 
 def _totals(rows: list[Row], collective_bytes: dict) -> Totals:
     phases = [p for p in PHASES if any(r.phase == p for r in rows)]
-    flops, low, up = ({p: 0 for p in phases} for _ in range(3))
+    flops, low, up, f8 = ({p: 0 for p in phases} for _ in range(4))
     elementwise, nbytes = {}, {}
     for r in rows:
         flops[r.phase] += r.flops
         low[r.phase] += r.flops_16bit
         up[r.phase] += r.flops_upcast
+        f8[r.phase] += r.flops_fp8
         for d, n in r.elementwise.items():
             elementwise[d] = elementwise.get(d, 0) + n
         for d, n in r.activation_bytes.items():
             nbytes[d] = nbytes.get(d, 0) + n
-    return Totals(flops, low, up, elementwise, nbytes, dict(collective_bytes))
+    return Totals(flops, low, up, elementwise, nbytes, dict(collective_bytes), f8)
 
 
 def _hazards(counts) -> list[Hazard]:
