@@ -272,6 +272,8 @@ def _body_weak(eqn, weak) -> dict:
     name = eqn.primitive.name
     if name in ("jit", "pjit"):
         return {"jaxpr": list(weak)}
+    if name in ("closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"):
+        return {"call_jaxpr": list(weak)}  # the sub-program takes the equation's operands
     if name == "scan":
         consts, carry = jax_compat.scan_split(eqn)
         return {"jaxpr": weak[:consts] + [False] * carry + weak[consts + carry :]}
@@ -431,6 +433,18 @@ def _eval_custom_jvp(eqn, invals, weak, compute_dtype, ctx: _Ctx):
     return fn(*invals)
 
 
+def _eval_remat(eqn, invals, weak, compute_dtype, ctx: _Ctx):
+    """A `remat` re-applied to its rewritten body: a closure, so fp8 sites inside it can read
+    the scaling state (a re-traced sub-program could not carry it)."""
+    jaxpr = jax_compat.param(eqn, "jaxpr")
+
+    def body(*xs):
+        return _eval(jaxpr, (), xs, compute_dtype, _within(ctx, eqn), weak)[0]
+
+    prevent_cse, policy = (jax_compat.param(eqn, k) for k in ("prevent_cse", "policy"))
+    return list(jax.checkpoint(body, prevent_cse=prevent_cse, policy=policy)(*invals))
+
+
 def _eval_lowered(eqn, invals, weak, compute_dtype, ctx: _Ctx, placed=None):
     """One equation where activations may be 16-bit; returns (outputs, whether each is weak)."""
     name = eqn.primitive.name
@@ -453,14 +467,7 @@ def _eval_lowered(eqn, invals, weak, compute_dtype, ctx: _Ctx, placed=None):
     if lowered and name == "custom_jvp_call":
         return _eval_custom_jvp(eqn, invals, weak, compute_dtype, ctx), [False] * n_out
     if name == "remat2":  # re-applied, so that its 16-bit results stay 16-bit
-        jaxpr = jax_compat.param(eqn, "jaxpr")
-
-        def body(*xs):
-            return _eval(jaxpr, (), xs, compute_dtype, _within(ctx, eqn), weak)[0]
-
-        prevent_cse, policy = (jax_compat.param(eqn, k) for k in ("prevent_cse", "policy"))
-        outs = jax.checkpoint(body, prevent_cse=prevent_cse, policy=policy)(*invals)
-        return list(outs), [False] * n_out
+        return _eval_remat(eqn, invals, weak, compute_dtype, ctx), [False] * n_out
     # Anything else (sub-programs, matmuls, unknown operations): as traced.
     return _eval_as_traced(eqn, invals, compute_dtype, ctx, weak, placed), [False] * n_out
 
@@ -474,6 +481,9 @@ def _within(ctx: _Ctx, eqn) -> _Ctx:
 def _eval_eqn(eqn, invals, weak, compute_dtype, ctx: _Ctx, placed=None):
     if ctx.lower and compute_dtype is not None and compute_dtype.itemsize < 4:
         return _eval_lowered(eqn, invals, weak, compute_dtype, ctx, placed)
+    if eqn.primitive.name == "remat2" and fp8.is_fp8(compute_dtype):
+        outs = _eval_remat(eqn, invals, weak, compute_dtype, ctx)
+        return outs, [False] * len(outs)
     outs = _eval_as_traced(eqn, invals, compute_dtype, ctx, weak, placed)
     # A cast of a variable (a layer with `dtype=` casts its kernel) is still the variable: fp8
     # tells a layer's matmul by its weak operand.

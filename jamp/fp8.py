@@ -259,7 +259,8 @@ def metrics(state: Fp8State, names: Optional[Sequence[str]] = None) -> dict:
 
 
 def representative(state: Fp8State, count: int = 3) -> list[str]:
-    """Up to `count` site names spread over the program: the first, the middle, the last."""
+    """Up to `count` site names spread evenly over the sorted names (pytrees keep dicts sorted):
+    for a stack of blocks, the first block's, a middle one's and the last one's."""
     names = list(state.sites)
     if len(names) <= count:
         return names

@@ -4,6 +4,7 @@ forward and backward, the jaxpr of a wrapped model, and the delayed-scaling stat
 import itertools
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -511,3 +512,54 @@ def test_precision_report_counts_the_fp8_share(lm_setup):
     assert 0.7 < t.share_fp8() < 0.9
     assert "fp8" in report.table() and "f8e5m2" in report.table()
     assert not report.hazards
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _=None):
+        return nn.relu(nn.Dense(16)(x)), None
+
+
+class _Remat(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x, _ = nn.remat(_Block)()(nn.Dense(16)(x))
+        return nn.Dense(4)(x)
+
+
+class _Scanned(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        scan = nn.scan(_Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        x, _ = scan()(nn.Dense(16)(x), None)
+        return nn.Dense(4)(x)
+
+
+@pytest.mark.parametrize(
+    "module,sites,forward,backward",
+    [(_Remat, 2, 3, 2), (_Scanned, 1, 2, 2)],
+    ids=["remat: a site with state", "scan: fp8, current-scaled"],
+)
+def test_sites_inside_remat_have_state_and_scan_bodies_are_current_scaled(
+    module, sites, forward, backward
+):
+    x, y = jax.random.normal(jax.random.key(0), (8, 8)), jnp.arange(8) % 4
+    model = jamp.wrap(module(), "mixed_fp8")
+    params = model.init(jax.random.key(1), x)["params"]
+
+    def loss_fn(p, ms, batch, rng):
+        logits = model.apply({"params": p}, batch[0])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean(), (ms, {})
+
+    st = fp8.init_state(loss_fn, params, {}, (x, y), None)
+    assert len(st.sites) == sites
+    state = jamp.TrainState.create(params, optax.adam(1e-3), fp8_state=st)
+    step = jax.jit(jamp.make_train_step(loss_fn, optax.adam(1e-3)))
+    state, _ = step(state, (x, y), jax.random.key(0))
+    for site in state.fp8_state.sites.values():  # every site reported x, w and g
+        assert np.all(np.asarray(site.amax_history[:, 0]) > 0)
+    closed = jax.make_jaxpr(jax.grad(lambda p: loss_fn(p, {}, (x, y), None)[0]))(params)
+    dots = _all_dots(closed)
+    # the first Dense and the block's (once in the scan body; remat: again in the backward pass)
+    assert dots.count(("float8_e4m3fn", "float8_e4m3fn")) == forward
+    assert dots.count(("float8_e5m2", "float8_e4m3fn")) == backward
