@@ -1,0 +1,167 @@
+"""fp8 against bf16: train-step time and temporary memory of the Transformer LM by width, and what
+the compiled program really runs.
+
+    python experiments/bench_fp8.py            # on a GPU (Hopper / Ada: fp8 GEMMs), ~2-3 min
+    python experiments/bench_fp8.py --quick    # a tiny check on any machine, writes nothing
+
+Per width (GPU: GPT-2 small, 12 x 768 at sequence 1024, then 4 x 2048 and 2 x 4096, where the
+GEMMs are large enough for fp8 to pay; CPU: small sizes, fp8 is emulated there), one full jitted
+train step (`jamp.make_train_step`, Adam, fp32 master weights, donated state) of
+
+  mixed_bfloat16   jamp.wrap(model, "mixed_bfloat16")
+  mixed_fp8        jamp.wrap(model, "mixed_fp8") with a delayed-scaling state (history 16)
+  mixed_fp8_cur    the same with current scaling (an amax reduction before every GEMM)
+
+timed interleaved in rounds (experiments/_timing.py); it reports the median per-round ratio to
+mixed_bfloat16. From each compiled step it counts the GEMMs by operand types: on a GPU an fp8
+GEMM is a cuBLASLt custom call whose operands are f8e4m3fn / f8e5m2 (XLA falls back to a wider
+GEMM on GPUs without fp8, silently: this is where that shows). Writes
+experiments/results/fp8_speed_<machine>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import pathlib
+import re
+import sys
+import time
+
+import jax
+import optax
+from _timing import interleaved, ratio_stats
+from _xla import cpu_description, machine_name
+
+import jamp
+from jamp import fp8, tasks
+from jamp.models.transformer import TransformerLM
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+KEY = jax.random.key(0)
+TX = optax.adam(1e-4)
+
+
+def widths(on_gpu: bool, quick: bool):
+    """(label, model sizes, batch, seq)."""
+    if quick:
+        return [("tiny 1 x 64", dict(num_layers=1, d_model=64, num_heads=2, mlp_dim=256), 4, 32)]
+    if on_gpu:
+        return [
+            ("GPT-2 small 12 x 768", dict(num_layers=12, d_model=768, num_heads=12), 16, 1024),
+            ("4 x 2048", dict(num_layers=4, d_model=2048, num_heads=16), 16, 1024),
+            ("2 x 4096", dict(num_layers=2, d_model=4096, num_heads=32), 8, 1024),
+        ]
+    return [
+        ("2 x 256", dict(num_layers=2, d_model=256, num_heads=4), 16, 128),
+        ("2 x 512", dict(num_layers=2, d_model=512, num_heads=8), 8, 128),
+    ]
+
+
+def gemm_counts(hlo: str) -> dict[str, int]:
+    """Dots and GEMM custom calls of an optimized HLO module by operand types."""
+    types, counts = {}, collections.Counter()
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = \(?(\w+)\[.*?\]\S* (\w+(?:-\w+)?)\((.*?)\)", line)
+        if not m:
+            continue
+        name, dtype, op, args = m.groups()
+        types[name] = dtype
+        operands = [a.strip().lstrip("%") for a in args.split(",")][:2]
+        if op == "dot" or (op == "custom-call" and "matmul" in line):
+            kind = "dot" if op == "dot" else "gemm"
+            target = re.search(r'custom_call_target="([^"]+)"', line)
+            label = f"{kind} {'x'.join(types.get(a, '?') for a in operands)}"
+            if target:
+                label += f" ({target.group(1)})"
+            counts[label] += 1
+    return dict(counts)
+
+
+def build(sizes, batch, seq, policy, recipe):
+    cfg = dict(sizes, mlp_dim=sizes.get("mlp_dim", 4 * sizes["d_model"]), max_len=seq)
+    model = jamp.wrap(TransformerLM(vocab_size=50304 if seq >= 1024 else 256, **cfg), policy)
+    tokens = jax.random.randint(KEY, (batch, seq + 1), 0, 256)
+    data = {"tokens": tokens}
+    params = model.init(KEY, tokens[:, :-1])["params"]
+    loss_fn = tasks.make_loss_fn(model, "lm")
+    f8 = None
+    if recipe:
+        f8 = fp8.init_state(loss_fn, params, {}, data, KEY, recipe=recipe)
+    state = jamp.TrainState.create(params, TX, fp8_state=f8)
+    step = jax.jit(jamp.make_train_step(loss_fn, TX), donate_argnums=0)
+    t0 = time.perf_counter()
+    compiled = step.lower(state, data, KEY).compile()
+    compile_s = time.perf_counter() - t0
+    temp_mib = compiled.memory_analysis().temp_size_in_bytes / 2**20
+    box = [state]
+
+    def run():
+        box[0], metrics = compiled(box[0], data, KEY)
+        return metrics
+
+    return run, (compile_s, temp_mib), gemm_counts(compiled.as_text())
+
+
+VARIANTS = {
+    "mixed_bfloat16": ("mixed_bfloat16", None),
+    "mixed_fp8": ("mixed_fp8", "delayed"),
+    "mixed_fp8_cur": ("mixed_fp8", "current"),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=None)
+    args = parser.parse_args()
+    on_gpu = jax.default_backend() == "gpu"
+    rounds = args.rounds or (2 if args.quick else 7)
+    steps = 1 if args.quick else 5
+    device = jax.devices()[0]
+    where = device.device_kind if on_gpu else cpu_description()
+    lines = [
+        f"# fp8 vs bf16 train step, Transformer LM ({machine_name()})",
+        "",
+        f"{datetime.date.today()}, `python experiments/bench_fp8.py`, {where}, jax "
+        f"{jax.__version__}; {rounds} rounds x {steps} steps, median per-round ratio [min-max].",
+        "The baseline is mixed_bfloat16 (bf16 GEMMs with fp32 accumulation), not float32.",
+        "",
+        "| width | batch x seq | variant | ms/step | vs bf16 | compile s | temp MiB "
+        "| GEMMs in the compiled step |",
+        "|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    t_start = time.perf_counter()
+    for label, sizes, batch, seq in widths(on_gpu, args.quick):
+        runners, compile_s, gemms = {}, {}, {}
+        for name, (policy, recipe) in VARIANTS.items():
+            runners[name], compile_s[name], gemms[name] = build(sizes, batch, seq, policy, recipe)
+        for run in runners.values():  # warm up
+            jax.block_until_ready(run())
+        times = interleaved(runners, rounds, steps)
+        for name in VARIANTS:
+            med, lo, hi = ratio_stats(times[name], times["mixed_bfloat16"])
+            ms = 1e3 * sorted(times[name])[len(times[name]) // 2]
+            counts = "; ".join(f"{k}: {v}" for k, v in sorted(gemms[name].items()))
+            ratio = "1" if name == "mixed_bfloat16" else f"{med:.3f} [{lo:.2f}-{hi:.2f}]"
+            lines.append(
+                f"| {label} | {batch} x {seq} | {name} | {ms:.2f} | {ratio} | "
+                f"{compile_s[name][0]:.1f} | {compile_s[name][1]:.1f} | {counts} |"
+            )
+            print(lines[-1], flush=True)
+    lines += ["", f"Wall time {time.perf_counter() - t_start:.0f} s."]
+    if on_gpu and not any("f8" in line for line in lines if "mixed_fp8 " in line):
+        lines.append("No fp8 GEMM in the compiled fp8 steps: XLA fell back to a wider GEMM.")
+    text = "\n".join(lines) + "\n"
+    if args.quick:
+        print(text)
+        return 0
+    out = RESULTS / f"fp8_speed_{machine_name()}.md"
+    out.write_text(text)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
