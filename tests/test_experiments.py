@@ -1,15 +1,20 @@
-"""experiments/: the benchmark peers build the same networks as jamp.models (no timing here)."""
+"""experiments/: the benchmark peers build the same networks as jamp.models (no timing here); the
+fp8 accuracy script runs in its quickest mode, and its Flax peer threads flax's fp8 variables."""
 
 import pathlib
+import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
+from subproc import cli_env
 
 from jamp.models import get_model
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
+EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
+sys.path.insert(0, str(EXPERIMENTS))
+import _fp8_peer  # noqa: E402
 import peers_flax  # noqa: E402
 import peers_torch  # noqa: E402
 
@@ -47,3 +52,50 @@ def test_torch_peer_reports_whether_it_can_run():
     if not ok:
         with pytest.raises(peers_torch.PeerUnsupported):
             peers_torch.make_step("seed_cnn", "float32", {})
+
+
+def test_accuracy_fp8_quickest_mode_writes_its_table(tmp_path):
+    # One recipe, one seed, a few steps: the four policies through the real program (~30 s).
+    out = tmp_path / "accuracy_fp8.md"
+    cmd = [sys.executable, str(EXPERIMENTS / "accuracy_fp8.py"), "--recipes", "digits",
+           "--seeds", "1", "--steps", "12", "--out", str(out), "--data_dir", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, env=cli_env(1), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    for label in ("float32", "mixed_bfloat16", "mixed_fp8 delayed", "mixed_fp8 current"):
+        assert f"\n| {label} | " in text
+    assert "(reference)" in text and "the bar of 0.5 accuracy points" in text
+    assert "jax " in text and "flax " in text and "- date: " in text
+
+
+def test_fp8_peer_step_overwrites_flax_fp8_variables_and_optimizes_only_params():
+    # The peer's hand-written step: flax's _overwrite_with_gradient variables take their
+    # "gradients" (this step's amaxes), the optimizer sees only the params.
+    import optax
+    from flax.training import train_state
+
+    from jamp import tasks
+
+    model = _fp8_peer.PeerLM(256, num_layers=1, d_model=32, num_heads=2, mlp_dim=64,
+                             dot_cls=_fp8_peer.fp8_dot_cls(4))  # fmt: skip
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
+    variables = dict(model.init(jax.random.key(0), tokens[:, :-1]))
+    sites = _fp8_peer.fp8_sites(variables)
+    assert len(sites) == 6  # q, k, v, out and the MLP's two Dense layers
+    state = train_state.TrainState.create(
+        apply_fn=model.apply, params=variables, tx=optax.adamw(1e-3)
+    )
+    assert _fp8_peer.OWG not in str(jax.tree_util.tree_structure(state.opt_state))
+    step = _fp8_peer.make_train_step(tasks.make_loss_fn(model, "lm"), 1.0, sites[0])
+    kernel = variables["params"]["DecoderBlock_0"]["Dense_0"]["kernel"]
+    kernel_amax = float(jnp.abs(kernel.astype(jnp.bfloat16)).max())
+    before = jax.tree.map(jnp.copy, state.params)  # the step donates its state
+    new, metrics = step(state, {"tokens": tokens}, jax.random.key(2))
+    f8 = new.params[_fp8_peer.OWG]["DecoderBlock_0"]["Dense_0"]["Fp8DirectDotGeneralOp_0"]
+    # The kernel's newest amax is the bf16 kernel's (the step read it), its scale still 1 (the
+    # history was empty), and the gradient's amax was recorded in the backward pass.
+    assert float(f8["kernel_amax_history"][0]) == kernel_amax
+    assert float(f8["kernel_scale"][0]) == 1.0 and float(f8["output_grad_amax_history"][0]) > 0
+    assert metrics["grads_finite"] == 1.0 and 0 < metrics["grad_norm"] < jnp.inf
+    moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), new.params["params"], before["params"])
+    assert all(jax.tree.leaves(moved))
