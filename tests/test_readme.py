@@ -32,3 +32,18 @@ def test_readme_library_example_trains_in_fp16_on_several_devices(tmp_path):
     assert accuracy >= 0.95 and loss < 0.2
     # 100 finite steps: no skip, and no growth before the 2000-step interval.
     assert skipped == 0 and scale == 2**16
+
+
+def test_readme_fp8_example_trains_with_a_delayed_scaling_state(tmp_path):
+    example = next(block for block in _python_blocks() if "fp8.init_state" in block)
+    script = tmp_path / "fp8_example.py"
+    script.write_text(example)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    match = re.search(
+        r"loss ([\d.]+)  fp8 sites (\d+)  x amax ([\d.]+)  x scale ([\d.]+)", out.stdout
+    )
+    assert match, out.stdout
+    loss, sites, amax, scale = map(float, match.groups())
+    assert loss < 0.05 and sites == 2  # two hidden layers; the head is bf16
+    assert abs(scale - 448 / amax) / scale < 0.5  # the history's max is near this step's amax
