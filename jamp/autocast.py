@@ -327,14 +327,14 @@ def _matmul_out_dtype(eqn, compute_dtype, ctx: _Ctx):
     return fp8.carrier(compute_dtype) if lowered else traced
 
 
-def _fp8_dot(eqn, invals, compute_dtype, ctx: _Ctx):
+def _fp8_dot(eqn, invals, compute_dtype, ctx: _Ctx, placed):
     site = None
     if ctx.stateful:
         stack = "/".join(s for s in (ctx.prefix, str(eqn.source_info.name_stack)) if s)
         site = fp8.site_name(stack, ctx.sites)
     out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)
     dims = jax_compat.param(eqn, "dimension_numbers")
-    return [fp8.dot_general(*invals, dims, out_dtype, site)]
+    return [fp8.dot_general(*invals, dims, out_dtype, site, _placed_for(placed, compute_dtype))]
 
 
 def _eval_as_traced(eqn, invals, compute_dtype, ctx: _Ctx, weak=None, placed=None):
@@ -350,9 +350,9 @@ def _eval_as_traced(eqn, invals, compute_dtype, ctx: _Ctx, weak=None, placed=Non
     ):
         # A layer's matmul (one operand made from the weak arguments: the variables) is fp8; one
         # of two activations (attention's scores and mix) stays bfloat16, as in Transformer
-        # Engine. Sharded operands are placed as XLA places them.
+        # Engine.
         if weak is not None and any(weak):
-            return _fp8_dot(eqn, invals, compute_dtype, ctx)
+            return _fp8_dot(eqn, invals, compute_dtype, ctx, placed)
         compute_dtype = fp8.CARRIER
     if eqn.primitive is _DOT and _needs_rewrite(invals, compute_dtype):
         out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)

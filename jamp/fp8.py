@@ -297,9 +297,27 @@ def _observed_site(site: Site, amaxes) -> Site:
     return Site(history, jnp.zeros_like(site.scale))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _f8_dot(lhs, rhs, site, dims, out_dtype, delayed, margin):
-    return _f8_fwd(lhs, rhs, site, dims, out_dtype, delayed, margin)[0]
+def _placed(q, placed: Optional[mixed_ops.Placed]):
+    """A quantised sharded operand, on its own shards and then where the matmul reads it: the
+    gather moves fp8 (one byte per value), as `mixed_ops.Placed` describes for 16 bits."""
+    if placed is None:
+        return q
+    q = lax.with_sharding_constraint(q, placed.sharding)
+    return q if placed.gathered is None else lax.with_sharding_constraint(q, placed.gathered)
+
+
+def _grad_to(d, like_dtype, placed: Optional[mixed_ops.Placed]):
+    """A gradient in its operand's dtype; a sharded operand's is summed across devices in the
+    reduce dtype, onto the operand's own shards."""
+    if placed is None:
+        return d.astype(like_dtype)
+    d = lax.with_sharding_constraint(d.astype(placed.reduce_dtype), placed.sharding)
+    return d.astype(like_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _f8_dot(lhs, rhs, site, dims, out_dtype, delayed, margin, placed):
+    return _f8_fwd(lhs, rhs, site, dims, out_dtype, delayed, margin, placed)[0]
 
 
 def _scale(site: Site, row: int, amax, delayed: bool, margin: float):
@@ -312,16 +330,17 @@ def _scale(site: Site, row: int, amax, delayed: bool, margin: float):
     return jnp.where(seen, site.scale[row], now)
 
 
-def _f8_fwd(lhs, rhs, site, dims, out_dtype, delayed, margin):
+def _f8_fwd(lhs, rhs, site, dims, out_dtype, delayed, margin, placed):
     ax, aw = _amax(lhs), _amax(rhs)
     sx, sw = _scale(site, 0, ax, delayed, margin), _scale(site, 1, aw, delayed, margin)
-    xq, wq = quantize(lhs, sx, E4M3), quantize(rhs, sw, E4M3)
+    xq = _placed(quantize(lhs, sx, E4M3), placed[0])
+    wq = _placed(quantize(rhs, sw, E4M3), placed[1])
     out = (_dot(xq, wq, dims) * (1.0 / (sx * sw))).astype(out_dtype)
     like = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
     return out, (xq, wq, sx, sw, ax, aw, site, like)
 
 
-def _f8_bwd(dims, out_dtype, delayed, margin, residuals, g):
+def _f8_bwd(dims, out_dtype, delayed, margin, placed, residuals, g):
     del out_dtype
     xq, wq, sx, sw, ax, aw, site, (lhs_like, rhs_like) = residuals
     ag = _amax(g)
@@ -331,8 +350,8 @@ def _f8_bwd(dims, out_dtype, delayed, margin, residuals, g):
     d_lhs = lax.transpose(_dot(gq, wq, l_dims) * (1.0 / (sg * sw)), l_perm)
     d_rhs = lax.transpose(_dot(xq, gq, r_dims) * (1.0 / (sx * sg)), r_perm)
     return (
-        d_lhs.astype(lhs_like.dtype),
-        d_rhs.astype(rhs_like.dtype),
+        _grad_to(d_lhs, lhs_like.dtype, placed[0]),
+        _grad_to(d_rhs, rhs_like.dtype, placed[1]),
         _observed_site(site, (ax, aw, ag)),
     )
 
@@ -340,7 +359,9 @@ def _f8_bwd(dims, out_dtype, delayed, margin, residuals, g):
 _f8_dot.defvjp(_f8_fwd, _f8_bwd)
 
 
-def dot_general(lhs, rhs, dimension_numbers, out_dtype, site: Optional[str] = None):
+def dot_general(
+    lhs, rhs, dimension_numbers, out_dtype, site: Optional[str] = None, placed=(None, None)
+):
     """`lax.dot_general` with E4M3 operands forward, E5M2 gradients backward, fp32 accumulation.
 
     Args:
@@ -350,6 +371,8 @@ def dot_general(lhs, rhs, dimension_numbers, out_dtype, site: Optional[str] = No
       site: this matmul's site name, or None (a matmul no state can describe). Under `scaling`,
         a site the state holds is scaled by the state's recipe and reports its amaxes; any other
         uses current scaling. Under `init_state`, the name is collected.
+      placed: per operand, a `jamp.mixed_ops.Placed` (a sharded parameter: quantised on its
+        shards, gathered in fp8, its gradient reduced in the reduce dtype) or None.
 
     Returns:
       The product, in `out_dtype`; gradients come back in `lhs.dtype` and `rhs.dtype`.
@@ -363,4 +386,6 @@ def dot_general(lhs, rhs, dimension_numbers, out_dtype, site: Optional[str] = No
         delayed, margin, entry = state.recipe == "delayed", state.margin, state.sites[site]
     else:
         delayed, margin, entry = False, 0.0 if state is None else state.margin, _new_site(1)
-    return _f8_dot(lhs, rhs, entry, dims, np.dtype(out_dtype), delayed, float(margin))
+    return _f8_dot(
+        lhs, rhs, entry, dims, np.dtype(out_dtype), delayed, float(margin), tuple(placed)
+    )

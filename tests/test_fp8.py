@@ -563,3 +563,35 @@ def test_sites_inside_remat_have_state_and_scan_bodies_are_current_scaled(
     # the first Dense and the block's (once in the scan body; remat: again in the backward pass)
     assert dots.count(("float8_e4m3fn", "float8_e4m3fn")) == forward
     assert dots.count(("float8_e5m2", "float8_e4m3fn")) == backward
+
+
+def test_sharded_fp8_weights_cross_the_wire_in_fp8(lm_setup, warm):
+    """FSDP: each layer's kernel is quantised on its shards and gathered as E4M3 (a quarter of
+    float32's bytes, half of bf16's); the tied head's embedding is gathered in bf16."""
+    from jamp import sharding
+
+    model, params = lm_setup
+    start, _ = warm
+    mesh = sharding.make_mesh("data=2,fsdp=4")
+    placed = sharding.shard_state(start, mesh)
+    step = sharding.make_sharded_train_step(
+        jamp.make_train_step(_loss_fn(model), optax.adam(1e-3)),
+        mesh,
+        sharding.state_shardings(placed),
+    )
+    found = sharding.collectives(
+        step, placed, sharding.shard_batch(_tokens(0, batch=16), mesh), jax.random.key(1)
+    )
+    weights = [c for c in found if c.kind == "all-gather" and c.into_matmul]
+    kernels = [
+        leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+        if "kernel" in str(path[-1])
+    ]
+    by_dtype = {}
+    for c in weights:
+        by_dtype[c.dtype] = by_dtype.get(c.dtype, 0) + c.nbytes
+    assert by_dtype == {
+        "f8e4m3fn": sum(k.size for k in kernels),
+        "bf16": 2 * params["Embed_0"]["embedding"].size,
+    }
