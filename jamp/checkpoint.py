@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -145,6 +146,18 @@ def _drop_orphaned_read_errors(record: logging.LogRecord) -> bool:
         and str(record.msg).partition("\n")[0].endswith("exception was never retrieved")
         and "tensorstore_spec=" in str(exc)
     )
+
+
+def _fields_added_since(target: Any, stored_tree: Any) -> list[str]:
+    """TrainState fields that are None in `target` and absent from a checkpoint's tree (one
+    written by a jamp that did not have them, e.g. `fp8_state`)."""
+    if not dataclasses.is_dataclass(target) or not isinstance(stored_tree, dict):
+        return []
+    return [
+        f.name
+        for f in dataclasses.fields(target)
+        if getattr(target, f.name) is None and f.name not in stored_tree
+    ]
 
 
 def _abstract(target: Any) -> Any:
@@ -417,6 +430,12 @@ class Checkpointer:
                     f"checkpoint at step {step} in {self.directory} does not match this model: "
                     f"{mismatch}; use another --workdir or the original config"
                 )
+        older = _fields_added_since(abstract, stored_tree)
+        if older:  # written before TrainState had these fields: restore the rest, keep the None
+            fields = {f.name: getattr(abstract, f.name) for f in dataclasses.fields(abstract)}
+            kept = {k: v for k, v in fields.items() if k not in older}
+            restored = self._manager.restore(step, args=ocp.args.StandardRestore(kept))
+            return abstract.replace(**_agree(restored))
         return _agree(self._manager.restore(step, args=ocp.args.StandardRestore(abstract)))
 
     def close(self) -> None:

@@ -337,3 +337,39 @@ def test_checkpointer_ignores_partial_tmp_directory(tmp_path, state):
     with Checkpointer(tmp_path) as ckpt:
         assert ckpt.latest_step() == 2
         _assert_identical(ckpt.restore(_fresh_state()), state)
+
+
+def test_checkpointer_restores_a_checkpoint_written_before_fp8_state_existed(tmp_path, state):
+    """A TrainState saved by a jamp without the `fp8_state` field (the same tree minus it)."""
+    from flax import struct
+
+    @struct.dataclass
+    class Before:  # TrainState as it was before fp8
+        step: jax.Array
+        params: dict
+        opt_state: tuple
+        model_state: dict
+        loss_scale: DynamicLossScale
+        skipped_steps: jax.Array
+
+    fields = ("step", "params", "opt_state", "model_state", "loss_scale", "skipped_steps")
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(7, Before(**{f: getattr(state, f) for f in fields}))
+        restored = ckpt.restore(_fresh_state())
+    _assert_identical(restored, state)
+    assert isinstance(restored, TrainState) and restored.fp8_state is None
+
+
+def test_checkpointer_a_bf16_checkpoint_into_an_fp8_run_is_one_line(tmp_path, state):
+    from jamp import fp8
+
+    site = fp8.Site(jnp.zeros((3, 4)), jnp.ones(3))
+    target = _fresh_state().replace(fp8_state=fp8.Fp8State({"Dense_0/dot_general": site}))
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(7, state)
+        with pytest.raises(CheckpointError) as info:
+            ckpt.restore(target)
+    message = str(info.value)
+    assert "\n" not in message and "does not match this model" in message
+    want = "fp8_state/sites/Dense_0/dot_general/amax_history is in this model's state but not in"
+    assert want in message
