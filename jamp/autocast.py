@@ -331,7 +331,7 @@ def _fp8_dot(eqn, invals, compute_dtype, ctx: _Ctx, placed):
     site = None
     if ctx.stateful:
         stack = "/".join(s for s in (ctx.prefix, str(eqn.source_info.name_stack)) if s)
-        site = fp8.site_name(stack, ctx.sites)
+        site = fp8.site_name(stack, fp8.site_counts(ctx.sites))
     out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)
     dims = jax_compat.param(eqn, "dimension_numbers")
     return [fp8.dot_general(*invals, dims, out_dtype, site, _placed_for(placed, compute_dtype))]
@@ -348,10 +348,10 @@ def _eval_as_traced(eqn, invals, compute_dtype, ctx: _Ctx, weak=None, placed=Non
         and fp8.is_fp8(compute_dtype)
         and _needs_rewrite(invals, compute_dtype)
     ):
-        # A layer's matmul (one operand made from the weak arguments: the variables) is fp8; one
-        # of two activations (attention's scores and mix) stays bfloat16, as in Transformer
-        # Engine.
-        if weak is not None and any(weak):
+        # A layer's matmul (activation x weight: one operand made of the weak arguments, the
+        # variables, alone) is fp8; one of two activations (attention's scores and mix) stays
+        # bfloat16, as in Transformer Engine, and so does a weight x weight product (LoRA's A @ B).
+        if weak is not None and sum(map(bool, weak)) == 1:
             return _fp8_dot(eqn, invals, compute_dtype, ctx, placed)
         compute_dtype = fp8.CARRIER
     if eqn.primitive is _DOT and _needs_rewrite(invals, compute_dtype):
@@ -452,8 +452,9 @@ def _eval_lowered(eqn, invals, weak, compute_dtype, ctx: _Ctx, placed=None):
     lowered = any(_dtype(x) != v.aval.dtype for x, v in zip(invals, eqn.invars))
     all_weak = all(weak)  # e.g. a gather of a weak table by data indices is data: strong
     squares = name == "mul" and eqn.invars[0] is eqn.invars[1]  # x * x, as in jnp.linalg.norm
+    made_of_weights = [all_weak and fp8.is_fp8(compute_dtype)] * n_out  # see _eval_eqn
     if act.runs_in_fp32("square" if squares else name, compute_dtype):
-        return _eval_as_traced(eqn, invals, compute_dtype, ctx), [False] * n_out
+        return _eval_as_traced(eqn, invals, compute_dtype, ctx), made_of_weights
     if lowered and name in ("jit", "pjit"):  # inlined, so that its 16-bit results stay 16-bit
         closed = jax_compat.param(eqn, "jaxpr")
         return _eval(closed.jaxpr, closed.consts, invals, compute_dtype, _within(ctx, eqn), weak)
@@ -469,7 +470,7 @@ def _eval_lowered(eqn, invals, weak, compute_dtype, ctx: _Ctx, placed=None):
     if name == "remat2":  # re-applied, so that its 16-bit results stay 16-bit
         return _eval_remat(eqn, invals, weak, compute_dtype, ctx), [False] * n_out
     # Anything else (sub-programs, matmuls, unknown operations): as traced.
-    return _eval_as_traced(eqn, invals, compute_dtype, ctx, weak, placed), [False] * n_out
+    return _eval_as_traced(eqn, invals, compute_dtype, ctx, weak, placed), made_of_weights
 
 
 def _within(ctx: _Ctx, eqn) -> _Ctx:
@@ -481,13 +482,20 @@ def _within(ctx: _Ctx, eqn) -> _Ctx:
 def _eval_eqn(eqn, invals, weak, compute_dtype, ctx: _Ctx, placed=None):
     if ctx.lower and compute_dtype is not None and compute_dtype.itemsize < 4:
         return _eval_lowered(eqn, invals, weak, compute_dtype, ctx, placed)
-    if eqn.primitive.name == "remat2" and fp8.is_fp8(compute_dtype):
-        outs = _eval_remat(eqn, invals, weak, compute_dtype, ctx)
-        return outs, [False] * len(outs)
+    if fp8.is_fp8(compute_dtype):
+        # Evaluated in place (a closure), so that fp8 sites inside can read the scaling state.
+        if eqn.primitive.name == "remat2":
+            outs = _eval_remat(eqn, invals, weak, compute_dtype, ctx)
+            return outs, [False] * len(outs)
+        if eqn.primitive.name in ("jit", "pjit"):
+            closed = jax_compat.param(eqn, "jaxpr")
+            return _eval(
+                closed.jaxpr, closed.consts, invals, compute_dtype, _within(ctx, eqn), weak
+            )
     outs = _eval_as_traced(eqn, invals, compute_dtype, ctx, weak, placed)
-    # A cast of a variable (a layer with `dtype=` casts its kernel) is still the variable: fp8
-    # tells a layer's matmul by its weak operand.
-    poly = eqn.primitive.name in act.POLYMORPHIC_PRIMITIVES | {"convert_element_type"}
+    # fp8 tells a layer's matmul by its weight: a value made of the variables alone (a cast
+    # kernel, W + A @ B, a weight-normalized kernel) is one.
+    poly = eqn.primitive.name in act.POLYMORPHIC_PRIMITIVES or fp8.is_fp8(compute_dtype)
     return outs, [poly and all(weak)] * len(outs)
 
 

@@ -46,7 +46,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from jamp import mixed_ops
+from jamp import jax_compat, mixed_ops
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -154,8 +154,8 @@ def check_recipe(recipe: str, history: int, margin: float) -> None:
         raise ValueError(f"recipe {recipe!r} is not one of {', '.join(RECIPES)}")
     if not isinstance(history, int) or isinstance(history, bool) or history < 1:
         raise ValueError(f"history (of amaxes) must be an int >= 1, got {history!r}")
-    if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not margin >= 0:
-        raise ValueError(f"margin must be a number >= 0, got {margin!r}")
+    if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0 <= margin <= 64:
+        raise ValueError(f"margin must be a number from 0 to 64 (powers of two), got {margin!r}")
 
 
 def init_state(
@@ -193,6 +193,30 @@ def init_state(
 class _Scope:
     state: Optional[Fp8State]
     found: Optional[list]  # site names, when `init_state` collects them
+    # One tally of site names for every wrapped call traced in the scope: a model applied twice
+    # in one loss has two sets of sites, not one whose amaxes would add up.
+    counts: dict = dataclasses.field(default_factory=dict)
+    reached: set = dataclasses.field(default_factory=set)
+
+    def check_reached(self) -> None:
+        """Raises ValueError when the loss traced in this scope left some of the state's sites
+        unread: their scales would never update, silently."""
+        if self.state is None or not self.state.sites:
+            return
+        missed = [name for name in self.state.sites if name not in self.reached]
+        if missed:
+            raise ValueError(
+                f"jamp.fp8: the loss reached {len(self.state.sites) - len(missed)} of the fp8 "
+                f"state's {len(self.state.sites)} matmul sites (not {missed[0]!r}): build the "
+                "state with jamp.fp8.init_state from the same loss function, and do not call a "
+                "jax.jit-compiled model inside the loss (a jit cache does not see the fp8 state)"
+            )
+
+
+def site_counts(fallback: dict) -> dict:
+    """The site-name tally of the active `scaling` / `init_state` scope, else `fallback`."""
+    scope = _ACTIVE.get()
+    return fallback if scope is None else scope.counts
 
 
 _ACTIVE: contextvars.ContextVar[Optional[_Scope]] = contextvars.ContextVar(
@@ -203,10 +227,14 @@ _ACTIVE: contextvars.ContextVar[Optional[_Scope]] = contextvars.ContextVar(
 @contextlib.contextmanager
 def scaling(state: Optional[Fp8State]):
     """While a function is traced in this context, its fp8 matmuls read their scales from `state`
-    (delayed recipe) and report this step's amaxes through the derivative with respect to it."""
-    token = _ACTIVE.set(_Scope(state, None) if state is not None else None)
+    (delayed recipe) and report this step's amaxes through the derivative with respect to it.
+
+    Yields the scope; its `check_reached()` says whether the traced function reached every site.
+    """
+    scope = _Scope(state, None)
+    token = _ACTIVE.set(scope)
     try:
-        yield
+        yield scope
     finally:
         _ACTIVE.reset(token)
 
@@ -261,7 +289,8 @@ def metrics(state: Fp8State, names: Optional[Sequence[str]] = None) -> dict:
 def representative(state: Fp8State, count: int = 3) -> list[str]:
     """Up to `count` site names spread evenly over the sorted names (pytrees keep dicts sorted):
     for a stack of blocks, the first block's, a middle one's and the last one's."""
-    names = list(state.sites)
+    # In natural order: Block_2 before Block_10.
+    names = sorted(state.sites, key=lambda n: [int(t) if t.isdigit() else t for t in _NUM.split(n)])
     if len(names) <= count:
         return names
     picks = sorted({round(i * (len(names) - 1) / (count - 1)) for i in range(count)})
@@ -271,6 +300,7 @@ def representative(state: Fp8State, count: int = 3) -> list[str]:
 # ----- site names
 
 _TAGS = re.compile(r"jamp_policy_\d+_/?")
+_NUM = re.compile(r"(\d+)")
 
 
 def site_name(name_stack: str, counts: dict) -> str:
@@ -323,16 +353,18 @@ def _f8_dot(lhs, rhs, site, dims, out_dtype, delayed, margin, placed):
 def _scale(site: Site, row: int, amax, delayed: bool, margin: float):
     """The scale of one operand: the state's (delayed) once the site has a history, else the
     tensor's own (current scaling; also a delayed site's first step, which has no history)."""
-    now = scale_for(amax, _FMAX[row], margin)
     if not delayed:
-        return now
+        return scale_for(amax(), _FMAX[row], margin)
+    # A branch, not a select: once the site has a history no reduction stands before the GEMM
+    # (the amax recorded for the next step is computed beside it).
     seen = jnp.max(site.amax_history[row]) > 0
-    return jnp.where(seen, site.scale[row], now)
+    return lax.cond(seen, lambda: site.scale[row], lambda: scale_for(amax(), _FMAX[row], margin))
 
 
 def _f8_fwd(lhs, rhs, site, dims, out_dtype, delayed, margin, placed):
     ax, aw = _amax(lhs), _amax(rhs)
-    sx, sw = _scale(site, 0, ax, delayed, margin), _scale(site, 1, aw, delayed, margin)
+    sx = _scale(site, 0, lambda: _amax(lhs), delayed, margin)
+    sw = _scale(site, 1, lambda: _amax(rhs), delayed, margin)
     xq = _placed(quantize(lhs, sx, E4M3), placed[0])
     wq = _placed(quantize(rhs, sw, E4M3), placed[1])
     out = (_dot(xq, wq, dims) * (1.0 / (sx * sw))).astype(out_dtype)
@@ -344,7 +376,7 @@ def _f8_bwd(dims, out_dtype, delayed, margin, placed, residuals, g):
     del out_dtype
     xq, wq, sx, sw, ax, aw, site, (lhs_like, rhs_like) = residuals
     ag = _amax(g)
-    sg = _scale(site, 2, ag, delayed, margin)
+    sg = _scale(site, 2, lambda: _amax(g), delayed, margin)
     gq = quantize(g, sg, E5M2)
     (l_dims, l_perm), (r_dims, r_perm) = mixed_ops.backward_dims(dims, xq.ndim, wq.ndim, g.ndim)
     d_lhs = lax.transpose(_dot(gq, wq, l_dims) * (1.0 / (sg * sw)), l_perm)
@@ -379,10 +411,15 @@ def dot_general(
     """
     dims = tuple(tuple(tuple(int(d) for d in axes) for axes in pair) for pair in dimension_numbers)
     scope = _ACTIVE.get()
+    if jax_compat.is_batched(lhs) or jax_compat.is_batched(rhs):
+        # Under vmap (a model applied per example) one site runs once per example: amaxes would
+        # add up in the state, so it scales each example by its own amax, statelessly.
+        site = None
     if scope is not None and scope.found is not None and site is not None:
         scope.found.append(site)
     state = scope.state if scope is not None else None
     if state is not None and site in state.sites:
+        scope.reached.add(site)
         delayed, margin, entry = state.recipe == "delayed", state.margin, state.sites[site]
     else:
         delayed, margin, entry = False, 0.0 if state is None else state.margin, _new_site(1)

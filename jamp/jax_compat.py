@@ -19,6 +19,8 @@ Differences between the supported releases (JAX 0.10 to 0.12), and how each is r
   fused computations): `jamp.autocast` therefore runs a function as written when its rewrite would
   change nothing (the float32 policy on a float32 model).
 
+* Whether a value is under `vmap` (`is_batched`: JAX's private batching tracer class; jamp.fp8
+  scales such matmuls statelessly).
 * A convolution's transposes are JAX's own rules (`conv_transposes`); reached through `jax.vjp`
   they widen 16-bit operands to an fp32 cotangent's dtype, so jamp calls them directly (the
   same private signature from 0.10 to 0.12) to keep 16-bit operands with an fp32 result.
@@ -95,6 +97,14 @@ def bind_context(eqn: jcore.JaxprEqn):
 # Primitives whose sub-programs are kernels (their bodies read and write buffers, run by a
 # compiler of their own), not ordinary programs: they run as written, never rewritten inside.
 KERNEL_PRIMITIVES = frozenset({"pallas_call"})
+
+
+def is_batched(x: Any) -> bool:
+    """Whether `x` is being traced by `jax.vmap` (a batching tracer: JAX's private
+    `batching.BatchTracer`, the same class from 0.10 to 0.12)."""
+    from jax._src.interpreters import batching
+
+    return isinstance(x, batching.BatchTracer)
 
 
 def _is_ref(aval) -> bool:

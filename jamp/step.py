@@ -73,8 +73,9 @@ def _scaled_grads(loss_fn, loss_scale, params, model_state, batch, rng, fp8_stat
     for one batch; the observations are None without an fp8 state."""
 
     def scaled_loss(p, f8):
-        with fp8.scaling(f8):  # the fp8 matmuls traced here read their scales from it
+        with fp8.scaling(f8) as scope:  # the fp8 matmuls traced here read their scales from it
             loss, (new_model_state, metrics) = loss_fn(p, model_state, batch, rng)
+        scope.check_reached()  # a site the loss never reached would never update
         if jnp.ndim(loss) != 0:
             raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}.")
         # The reductions in the loss are where 16-bit overflows first: finish it in fp32.
@@ -322,7 +323,8 @@ def make_eval_step(
     """
 
     def eval_step(state: TrainState, batch: PyTree) -> dict[str, jax.Array]:
-        with fp8.scaling(state.fp8_state):  # delayed fp8 scales, as the train step has them
+        # delayed fp8 scales, as the train step has them (a duck-typed state may have none)
+        with fp8.scaling(getattr(state, "fp8_state", None)):
             metrics = _metrics_fp32(eval_fn(state.params, state.model_state, batch))
         if axis_name is not None:  # equal shards: the mean of shard means is the batch mean
             metrics = lax.pmean(metrics, axis_name)

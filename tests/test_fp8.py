@@ -280,7 +280,8 @@ def test_init_state_has_a_site_per_layer_matmul_with_empty_history(lm_setup):
     for bad, msg in [
         (dict(recipe="late"), "recipe 'late' is not one of current, delayed"),
         (dict(history=0), "history (of amaxes) must be an int >= 1"),
-        (dict(margin=-1), "margin must be a number >= 0"),
+        (dict(margin=-1), "margin must be a number from 0 to 64"),
+        (dict(margin=200), "margin must be a number from 0 to 64"),
     ]:
         with pytest.raises(ValueError, match=re.escape(msg)):
             fp8.init_state(_loss_fn(model), params, {}, _tokens(), None, **bad)
@@ -595,3 +596,95 @@ def test_sharded_fp8_weights_cross_the_wire_in_fp8(lm_setup, warm):
         "f8e4m3fn": sum(k.size for k in kernels),
         "bf16": 2 * params["Embed_0"]["embedding"].size,
     }
+
+
+# ----- the ways a loss can reach a site more than once, or not at all
+
+
+class _Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(nn.relu(nn.Dense(16)(x)))
+
+
+def _mlp_setup():
+    model = jamp.wrap(_Mlp(), "mixed_fp8")
+    x = jax.random.normal(jax.random.key(0), (8, 8))
+    return model, model.init(jax.random.key(1), x)["params"], x
+
+
+def _mse(out):
+    return jnp.mean(out.astype(jnp.float32) ** 2)
+
+
+def test_a_model_applied_twice_has_a_site_per_application():
+    model, params, x = _mlp_setup()
+
+    def loss_fn(p, ms, batch, rng):
+        a = model.apply({"params": p}, batch)
+        b = model.apply({"params": p}, 10.0 * batch)
+        return _mse(a) + _mse(b), (ms, {})
+
+    st = fp8.init_state(loss_fn, params, {}, x, None)
+    # (Flax names Dense(4) Dense_0: it is constructed first; Dense(16), the fp8 one, is Dense_1)
+    assert sorted(st.sites) == ["_Mlp/Dense_1/dot_general", "_Mlp/Dense_1/dot_general_1"]
+    state = jamp.TrainState.create(params, optax.sgd(0.0), fp8_state=st)
+    state, _ = jax.jit(jamp.make_train_step(loss_fn, optax.sgd(0.0)))(state, x, jax.random.key(0))
+    first, second = (state.fp8_state.sites[n].amax_history[0, 0] for n in sorted(st.sites))
+    amax = float(jnp.max(jnp.abs(x)))
+    assert float(first) == amax and float(second) == pytest.approx(10 * amax)  # not summed
+
+
+def test_a_vmapped_model_is_fp8_without_sites():
+    model, params, x = _mlp_setup()
+
+    def loss_fn(p, ms, batch, rng):
+        out = jax.vmap(lambda row: model.apply({"params": p}, row[None]))(batch)
+        return _mse(out), (ms, {})
+
+    st = fp8.init_state(loss_fn, params, {}, x, None)
+    assert st.sites == {}  # one site per example would add up: current scaling, per example
+    closed = jax.make_jaxpr(jax.grad(lambda p: loss_fn(p, {}, x, None)[0]))(params)
+    assert ("float8_e4m3fn", "float8_e4m3fn") in _all_dots(closed)
+
+
+def test_a_loss_that_does_not_reach_the_sites_is_an_error():
+    model, params, x = _mlp_setup()
+    apply = jax.jit(model.apply)  # cached across traces: it cannot see the fp8 state
+
+    def loss_fn(p, ms, batch, rng):
+        return _mse(apply({"params": p}, batch)), (ms, {})
+
+    st = fp8.init_state(loss_fn, params, {}, x, None)
+    assert len(st.sites) == 1
+    state = jamp.TrainState.create(params, optax.sgd(0.1), fp8_state=st)
+    with pytest.raises(ValueError, match="the loss reached 0 of the fp8 state's 1 matmul sites"):
+        jax.jit(jamp.make_train_step(loss_fn, optax.sgd(0.1)))(state, x, jax.random.key(0))
+
+
+class _Lora(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.normal(0.1), (8, 16))
+        a = self.param("a", nn.initializers.normal(0.1), (8, 2))
+        b = self.param("b", nn.initializers.normal(0.1), (2, 16))
+        h = x @ (w + a @ b)  # a weight made of weights
+        return nn.Dense(4)(h)
+
+
+def test_a_weight_made_of_weights_is_a_weight_and_their_product_stays_bf16():
+    model = jamp.wrap(_Lora(), "mixed_fp8")
+    x = jax.random.normal(jax.random.key(0), (8, 8))
+    params = model.init(jax.random.key(1), x)["params"]
+    closed = jax.make_jaxpr(lambda p: model.apply({"params": p}, x))(params)
+    assert _all_dots(closed) == [
+        ("bfloat16", "bfloat16"),  # a @ b: weight x weight
+        ("float8_e4m3fn", "float8_e4m3fn"),  # x @ (w + a @ b): the layer
+        ("bfloat16", "bfloat16"),  # the head
+    ]
+
+
+def test_representative_sites_are_first_middle_last_in_natural_order():
+    sites = {f"Block_{i}/Dense_0/dot_general": fp8._new_site(1) for i in range(12)}
+    picked = fp8.representative(fp8.Fp8State(sites), 3)
+    assert [p.split("/")[0] for p in picked] == ["Block_0", "Block_6", "Block_11"]
