@@ -623,8 +623,11 @@ def autocast(
     Args:
       fn: any JAX-traceable function returning a pytree of arrays.
       compute_dtype: dtype of matmul and convolution operands (None leaves them as traced);
-        `jamp.fp8.MATMUL_MARKER` (`float8_e4m3fn`) runs matmuls in fp8 (`jamp.fp8.dot_general`:
-        E4M3 forward, E5M2 gradients) and everything else, convolutions included, in bfloat16.
+        `jamp.fp8.MATMUL_MARKER` (`float8_e4m3fn`) runs layer matmuls in fp8
+        (`jamp.fp8.dot_general`: E4M3 forward, E5M2 gradients) and everything else,
+        convolutions included, in bfloat16. A layer matmul is one with exactly one operand made
+        of the `weak_argnums` arguments alone (the weights): without `weak_argnums` no matmul is
+        fp8.
       compute_for: optional per-equation choice of compute dtype (see the module docstring).
       activations: where float32 values between operations live: "float32" (as traced),
         "compute" (in a 16-bit compute dtype where `jamp.activations` allows) or "auto" (float32

@@ -164,10 +164,14 @@ def init_state(
     """The scaling state for every fp8 matmul site that `fn(*args, **kwargs)` traces.
 
     `fn` is what the train step differentiates, typically its `loss_fn` on a batch; it is traced
-    abstractly (nothing runs). Sites are the fp8 `dot_general`s the program runs directly, in
-    `jit`s and in `remat`s; those inside loop or branch bodies (`scan`, `while`, `cond`) and
-    custom-derivative functions run once per iteration or not at all, so one state cannot
-    describe them: they use current scaling.
+    abstractly (nothing runs). Sites are the fp8 `dot_general`s the wrapped model runs directly,
+    in `jit`s and in `remat`s, one set per application of the model; those inside the model's
+    loop or branch bodies (`nn.scan`, `while`, `cond`), custom-derivative functions and `vmap`s
+    run once per iteration (example) or not at all, so one state cannot describe them: they use
+    current scaling. A loss that loops over the model itself (`lax.scan` / `lax.map` around
+    `model.apply`) sums a site's amaxes over the iterations (scales too small by that factor:
+    safe from overflow, less precise at the bottom of the range): use the step's
+    `accumulation_steps` for microbatches instead.
 
     Args:
       fn, args, kwargs: the function and example arguments (arrays or ShapeDtypeStructs).
