@@ -11,6 +11,11 @@ train step (`jamp.make_train_step`, Adam, fp32 master weights, donated state) of
   mixed_bfloat16   jamp.wrap(model, "mixed_bfloat16")
   mixed_fp8        jamp.wrap(model, "mixed_fp8") with a delayed-scaling state (history 16)
   mixed_fp8_cur    the same with current scaling (an amax reduction before every GEMM)
+  flax_bf16        the peer: the same network in plain Flax, dtype=bf16 on every layer
+                   (experiments/_fp8_peer.py's PeerLM)
+  flax_fp8         the same with flax.linen.fp8_ops' Fp8DirectDotGeneralOp on the same layer
+                   matmuls (delayed scaling, history 16), its fp8 variables threaded by a
+                   hand-written step
 
 timed interleaved in rounds (experiments/_timing.py); it reports the median per-round ratio to
 mixed_bfloat16. From each compiled step it counts the GEMMs by operand types: on a GPU an fp8
@@ -104,10 +109,39 @@ def build(sizes, batch, seq, policy, recipe):
     return run, (compile_s, temp_mib), gemm_counts(compiled.as_text())
 
 
+def build_flax(sizes, batch, seq, fp8_ops: bool):
+    """The Flax peer (experiments/_fp8_peer.py), bf16 layers, with or without flax's fp8 op."""
+    from _fp8_peer import PeerLM, fp8_dot_cls
+    from _fp8_peer import make_train_step as peer_step
+    from flax.training import train_state
+
+    cfg = dict(sizes, mlp_dim=sizes.get("mlp_dim", 4 * sizes["d_model"]), max_len=seq)
+    dot_cls = fp8_dot_cls(16) if fp8_ops else None
+    model = PeerLM(vocab_size=50304 if seq >= 1024 else 256, dot_cls=dot_cls, **cfg)
+    tokens = jax.random.randint(KEY, (batch, seq + 1), 0, 256)
+    data = {"tokens": tokens}
+    variables = dict(model.init(KEY, tokens[:, :-1]))
+    state = train_state.TrainState.create(apply_fn=model.apply, params=variables, tx=TX)
+    step = peer_step(tasks.make_loss_fn(model, "lm"), None, None)
+    t0 = time.perf_counter()
+    compiled = step.lower(state, data, KEY).compile()
+    compile_s = time.perf_counter() - t0
+    temp_mib = compiled.memory_analysis().temp_size_in_bytes / 2**20
+    box = [state]
+
+    def run():
+        box[0], metrics = compiled(box[0], data, KEY)
+        return metrics
+
+    return run, (compile_s, temp_mib), gemm_counts(compiled.as_text())
+
+
 VARIANTS = {
     "mixed_bfloat16": ("mixed_bfloat16", None),
     "mixed_fp8": ("mixed_fp8", "delayed"),
     "mixed_fp8_cur": ("mixed_fp8", "current"),
+    "flax_bf16": ("flax", False),
+    "flax_fp8": ("flax", True),
 }
 
 
@@ -136,7 +170,11 @@ def main():
     for label, sizes, batch, seq in widths(on_gpu, args.quick):
         runners, compile_s, gemms = {}, {}, {}
         for name, (policy, recipe) in VARIANTS.items():
-            runners[name], compile_s[name], gemms[name] = build(sizes, batch, seq, policy, recipe)
+            if policy == "flax":
+                built = build_flax(sizes, batch, seq, recipe)
+            else:
+                built = build(sizes, batch, seq, policy, recipe)
+            runners[name], compile_s[name], gemms[name] = built
         for run in runners.values():  # warm up
             jax.block_until_ready(run())
         times = interleaved(runners, rounds, steps)
