@@ -230,7 +230,7 @@ def main(argv=None) -> None:
                                                           if k != "params"}, b))  # fmt: skip
     rng = jax.random.key(run.seed)
     batches = dataset.train_batches(0)
-    window, skipped, t0 = [], 0, time.perf_counter()
+    window, finite, t0 = [], [], time.perf_counter()
     with open(workdir / "metrics.jsonl", "w") as log:
 
         def write(record):
@@ -239,11 +239,12 @@ def main(argv=None) -> None:
 
         for step in range(1, run.num_train_steps + 1):
             state, metrics = train_step(state, next(batches), rng)
+            finite.append(metrics["grads_finite"])
             if step > 1:  # as the program does, the first step (it compiles) is in no window
                 window.append(metrics)
             if step % args.log_every == 0 or step == run.num_train_steps:
                 window = jax.device_get(window)
-                skipped += int(sum(1 - m["grads_finite"] for m in window))
+                skipped = int(sum(1 - f for f in jax.device_get(finite)))
                 record = {k: float(np.mean([m[k] for m in window])) for k in window[0]}
                 record.update(
                     step=step,
@@ -256,7 +257,14 @@ def main(argv=None) -> None:
             if step % run.eval_every_steps == 0 or step == run.num_train_steps:
                 final = evaluate(eval_step, state.params, dataset)
                 write(dict(final, step=step, kind="eval"))
-    seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        if dot_cls is not None:
+            # The fp8-trained params with plain bf16 matmuls: what fp8 did to the weights alone.
+            plain = model.clone(dot_cls=None)
+            plain_fn = tasks.make_eval_fn(plain, task)
+            plain_step = jax.jit(lambda v, b: plain_fn(v["params"], {}, b))
+            params = {"params": state.params["params"]}
+            write(dict(evaluate(plain_step, params, dataset), step=step, kind="eval_bf16"))
     print(f"peer ({args.dot}, {len(sites)} fp8 ops): test loss {final['loss']:.4f} after "
           f"{run.num_train_steps} steps, {skipped} skipped, {seconds:.0f} s")  # fmt: skip
 

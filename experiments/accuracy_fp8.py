@@ -1,6 +1,6 @@
 """fp8 at equal budget: mixed_fp8 (delayed and current scaling) against float32 and mixed_bfloat16.
 
-    cd /work/main && python experiments/accuracy_fp8.py              # 2 recipes, 2 seeds, ~27 min
+    cd /work/main && python experiments/accuracy_fp8.py              # 2 recipes, 2 seeds, ~33 min
     cd /work/main && python experiments/accuracy_fp8.py --recipes lm --seeds 1 --steps 100
     cd /work/main && python experiments/accuracy_fp8.py --recipes digits --seeds 1 --steps 20
 
@@ -10,7 +10,8 @@ recipe and the seed changed, so each policy gets the same init, data order, step
 * lm: configs/lm_pydoc.py (byte-level Transformer LM on CPython's pydoc text, 600 steps);
   metric: the final test loss in nats per byte;
 * digits: configs/default.py (the seed CNN on scikit-learn's 8x8 digits, 1000 steps), as
-  accuracy_digits.py runs it; metric: the final eval accuracy (300 test images).
+  accuracy_digits.py runs it; metric: the final eval accuracy (300 test images), with the test
+  loss beside it (the accuracy is near 100 % for every policy).
 
 Policies: float32, mixed_bfloat16 (the reference: fp8 replaces its bf16 layer matmuls), and
 mixed_fp8 with `--config.fp8_recipe=delayed` and `=current` (E4M3 operands forward, E5M2 gradients
@@ -22,10 +23,15 @@ class, bf16 everywhere else, trained by a hand-written step on the program's dat
 optimizer; and the same peer without fp8 (its bf16 reference, so its fp8 cost can be read off the
 same way).
 
+The final params of every fp8 run are also evaluated again with bf16 matmuls (a fresh process
+restores the run's checkpoint; the peer does it itself): the part of the gap that survives is what
+fp8 training did to the weights, the rest is fp8 at inference (`--no_bf16_eval` skips it).
+
 The bar (the issue's): mixed_fp8 within 2 % of mixed_bfloat16's test loss on the LM and within 0.5
 accuracy points on digits, as the mean of the per-seed (paired) differences. It writes
 experiments/results/accuracy_fp8_cpu.md (tables, verdicts) and .png (training loss per policy for
-each recipe, and the amax and scale of one fp8 site of the delayed run over steps). On a CPU the
+each recipe, its difference to mixed_bfloat16's, and the amax and scale of one fp8 site of the
+delayed run over steps). On a CPU the
 fp8 matmuls are emulated (XLA converts to float32): the numbers are about accuracy, not speed.
 """
 
@@ -117,8 +123,49 @@ def revision() -> str:
     return commit + (" with local changes in jamp/ or configs/" if dirty else "")
 
 
-def final(run_records: list[dict], metric: str) -> float:
-    return records(run_records, "eval")[-1][metric]
+def final(run_records: list[dict], kind: str = "eval") -> dict:
+    return records(run_records, kind)[-1]
+
+
+def eval_in_bf16(workdir: pathlib.Path) -> dict:
+    """The final test metrics of a program run's checkpointed params under mixed_bfloat16.
+
+    For an fp8 run this separates what fp8 did to the trained weights from what it does to
+    inference: the same params, evaluated with bf16 matmuls instead of fp8 ones."""
+    import jax
+    import ml_collections
+
+    from jamp import loop, tasks
+    from jamp.checkpoint import Checkpointer
+    from jamp.optim import make_optimizer
+    from jamp.step import make_eval_step
+
+    config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+    run, data_cfg, optim_cfg, task = loop.parse_config(config)
+    dataset, model = loop.build_model(run, data_cfg, task)
+    tx, _ = make_optimizer(optim_cfg)
+    target = loop.init_state(model, tx, run.loss_scale, dataset.info, run.seed, run.fp8)
+    with Checkpointer(workdir / "checkpoints") as checkpointer:
+        state = checkpointer.restore(target).replace(fp8_state=None)
+    config.policy = REFERENCE
+    bf16_run, *_ = loop.parse_config(config)
+    _, bf16_model = loop.build_model(bf16_run, data_cfg, task)
+    step = jax.jit(make_eval_step(tasks.make_eval_fn(bf16_model, task)))
+    totals = None
+    for batch in dataset.eval_batches():
+        sums = jax.device_get(step(state, batch))
+        totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
+    return tasks.summarize_eval(task, totals)
+
+
+def run_eval_in_bf16(workdir: pathlib.Path) -> dict:
+    """`eval_in_bf16` in a fresh process (this one imports no jax)."""
+    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), f"--eval_in_bf16={workdir}"]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"evaluating {workdir} in bf16 failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def mean_sd(values: list[float], scale: float = 1.0, digits: int = 4) -> str:
@@ -126,10 +173,13 @@ def mean_sd(values: list[float], scale: float = 1.0, digits: int = 4) -> str:
     return f"{scale * statistics.mean(values):.{digits}f} ± {scale * sd:.{digits}f}"
 
 
-def diffs(values: list[float], ref: list[float], recipe: str) -> list[float]:
-    """Per-seed differences to the reference: % of its loss (lm) or accuracy points (digits)."""
-    if recipe == "lm":
-        return [100 * (v - r) / r for v, r in zip(values, ref)]
+def pct(values: list[float], ref: list[float]) -> list[float]:
+    """Per-seed differences to the reference, in % of the reference (losses)."""
+    return [100 * (v - r) / r for v, r in zip(values, ref)]
+
+
+def points(values: list[float], ref: list[float]) -> list[float]:
+    """Per-seed differences to the reference, in points (accuracies)."""
     return [100 * (v - r) for v, r in zip(values, ref)]
 
 
@@ -150,26 +200,38 @@ def first_site(run_records: list[dict]) -> str | None:
 
 
 def plot(curves: dict, recipes: list[str], path: pathlib.Path) -> bool:
-    """Row 1: training loss per policy (seed 0); row 2: one delayed fp8 site's amax and scale."""
+    """Per recipe (column), seed 0: the training loss per policy; its difference to
+    mixed_bfloat16's; one delayed fp8 site's amax and scale over steps."""
     plt = pyplot()
     if plt is None:
         return False
-    fig, axes = plt.subplots(2, len(recipes), figsize=(6.5 * len(recipes), 8.5), squeeze=False)
+    fig, axes = plt.subplots(3, len(recipes), figsize=(7 * len(recipes), 13), squeeze=False)
     for col, recipe in enumerate(recipes):
-        ax = axes[0][col]
+        ref = {r["step"]: r["loss"] for r in records(curves[recipe][REFERENCE], "train")}
+        ax, ax_diff = axes[0][col], axes[1][col]
         for label, run_records in curves[recipe].items():
             train, evals = records(run_records, "train"), records(run_records, "eval")
             style = ":" if label in PEERS else "-"
-            (line,) = ax.plot([r["step"] for r in train], [r["loss"] for r in train], style,
-                              label=label, linewidth=1.2)  # fmt: skip
+            steps = [r["step"] for r in train]
+            (line,) = ax.plot(steps, [r["loss"] for r in train], style, label=label, lw=1.2)
             if recipe == "lm":
                 ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o",
                         color=line.get_color(), markersize=4)  # fmt: skip
+            if label != REFERENCE:
+                ax_diff.plot(steps, [r["loss"] - ref[r["step"]] for r in train], style,
+                             color=line.get_color(), label=label, lw=1.2)  # fmt: skip
         ax.set(yscale="log", xlabel="step", ylabel="training loss (10-step window mean)",
                title=f"{recipe}: training loss, seed 0" +
                (" (dots: test loss)" if recipe == "lm" else ""))  # fmt: skip
         ax.legend(fontsize=8)
-        ax = axes[1][col]
+        ax_diff.axhline(0.0, color="black", lw=0.6)
+        ax_diff.set(xlabel="step", ylabel=f"training loss minus {REFERENCE}'s",
+                    title=f"{recipe}: training loss minus {REFERENCE}'s, same seed "
+                    "and batches")  # fmt: skip
+        if recipe == "digits":
+            ax_diff.set_yscale("symlog", linthresh=1e-4)
+        ax_diff.legend(fontsize=8)
+        ax = axes[2][col]
         delayed = curves[recipe].get(DELAYED)
         site = first_site(delayed) if delayed else None
         if site is None:
@@ -184,60 +246,93 @@ def plot(curves: dict, recipes: list[str], path: pathlib.Path) -> bool:
                     label=f"{row} ({what}) amax")  # fmt: skip
             twin.plot(steps, [r[f"fp8/{site}/{row}_scale"] for r in train], "--", color=color,
                       label=f"{row} scale")  # fmt: skip
-        ax.set(yscale="log", xlabel="step", ylabel="amax (solid)",
-               title=f"{recipe}, {DELAYED}, seed 0: {site}")  # fmt: skip
-        ax.title.set_fontsize(8)
+        ax.set(yscale="log", xlabel="step", ylabel="amax (solid)")
+        ax.set_title(f"{recipe}, {DELAYED}, seed 0: {site}", fontsize=8)
         twin.set(yscale="log", ylabel="scale = fmax / max(amax history) (dashed)")
-        lines = ax.get_legend_handles_labels()
-        more = twin.get_legend_handles_labels()
-        ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7, ncol=2, loc="center right")
+        lines, more = ax.get_legend_handles_labels(), twin.get_legend_handles_labels()
+        ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7, ncol=3,
+                  loc="upper center", bbox_to_anchor=(0.5, -0.12))  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
 
 
-def table(recipe: str, results: dict, seconds: dict, errors: dict) -> list[str]:
-    spec = RECIPES[recipe]
-    ref = results[REFERENCE]
+def table(recipe: str, runs: dict, errors: dict) -> list[str]:
+    """The recipe's results table, the verdicts against the bar, and where the fp8 gap is."""
+    bar = RECIPES[recipe]["bar"]
+    col = {label: {k: [r[k] for r in rs] for k in rs[0]} for label, rs in runs.items() if rs}
+    ref = col[REFERENCE]
     if recipe == "lm":
-        head = (
+        lines = [
             "| policy | test loss per seed (nats/byte) | mean ± sd | vs mixed_bfloat16, same "
-            "seed (% of its loss) | s per run |"
-        )
-        fmt = {"digits": 4, "scale": 1.0}
+            "seed (% of its loss) | next-byte accuracy | s per run |",
+            "|---|---|---|---|---|---|",
+        ]
     else:
-        head = (
+        lines = [
             "| policy | accuracy per seed | mean ± sd (points) | vs mixed_bfloat16, same seed "
-            "(points) | s per run |"
-        )
-        fmt = {"digits": 2, "scale": 100.0}
-    lines = [head, "|---|---|---|---|---|"]
-    for label, values in results.items():
+            "(points) | test loss (nats) | vs mixed_bfloat16 (% of its loss) | s per run |",
+            "|---|---|---|---|---|---|---|",
+        ]
+    for label in runs:
         if label in errors:
-            lines.append(f"| {label} | failed: `{errors[label]}` | | | |")
+            lines.append(
+                f"| {label} | failed: `{errors[label]}` |" + " |" * (lines[1].count("|") - 3)
+            )
             continue
-        d = "(reference)" if label == REFERENCE else paired(diffs(values, ref, recipe))
-        per_seed = ", ".join(f"{v:.4f}" for v in values)
-        lines.append(
-            f"| {label} | {per_seed} | {mean_sd(values, fmt['scale'], fmt['digits'])} | {d} "
-            f"| {statistics.mean(seconds[label]):.0f} |"
-        )
+        c = col[label]
+        is_ref = label == REFERENCE
+        if recipe == "lm":
+            lines.append(
+                f"| {label} | {', '.join(f'{v:.4f}' for v in c['loss'])} | {mean_sd(c['loss'])} "
+                f"| {'(reference)' if is_ref else paired(pct(c['loss'], ref['loss']))} "
+                f"| {mean_sd(c['accuracy'])} | {statistics.mean(c['seconds']):.0f} |"
+            )
+        else:
+            lines.append(
+                f"| {label} | {', '.join(f'{v:.4f}' for v in c['accuracy'])} "
+                f"| {mean_sd(c['accuracy'], 100, 2)} "
+                f"| {'(reference)' if is_ref else paired(points(c['accuracy'], ref['accuracy']))} "
+                f"| {mean_sd(c['loss'], 1, 5)} "
+                f"| {'(reference)' if is_ref else paired(pct(c['loss'], ref['loss']))} "
+                f"| {statistics.mean(c['seconds']):.0f} |"
+            )
     lines.append("")
-    unit = "% of the loss" if recipe == "lm" else "accuracy points"
+    metric, unit = ("loss", "% of the loss") if recipe == "lm" else ("accuracy", "points")
+    measure = pct if recipe == "lm" else points
     for label in FP8:
-        d = diffs(results[label], ref, recipe)
-        mean = statistics.mean(d)
-        verdict = "within" if abs(mean) <= spec["bar"] else "OUTSIDE"
+        d = measure(col[label][metric], ref[metric])
+        verdict = "within" if abs(statistics.mean(d)) <= bar else "OUTSIDE"
         lines.append(
-            f"- {label} vs {REFERENCE}: {mean:+.2f} {unit} (mean over {len(d)} seeds; worst seed "
-            f"{max(d, key=abs):+.2f}): {verdict} the bar of {spec['bar']:g} {unit}."
+            f"- {label} vs {REFERENCE}: {statistics.mean(d):+.2f} {unit} in test {metric} (mean "
+            f"over {len(d)} seeds; worst seed {max(d, key=abs):+.2f}): {verdict} the bar of "
+            f"{bar:g} {unit}."
         )
-    if recipe == "lm" and PEER_FP8 in results and not errors:
-        d = diffs(results[PEER_FP8], results[PEER_REF], recipe)
-        lines.append(
-            f"- {PEER_FP8} vs {PEER_REF} (the peer's own fp8 cost, same seed): {paired(d)} {unit}."
-        )
+    if recipe == "lm" and PEER_FP8 in col and PEER_REF in col:
+        d = pct(col[PEER_FP8]["loss"], col[PEER_REF]["loss"])
+        lines.append(f"- {PEER_FP8} vs {PEER_REF} (the peer's own fp8 cost): {paired(d)} {unit}.")
+    # Where the gap is: the fp8-trained params evaluated with bf16 matmuls.
+    rows = [label for label in (*FP8, PEER_FP8) if label in col and "bf16_loss" in col[label]]
+    if rows:
+        base = {PEER_FP8: col.get(PEER_REF, ref)}
+        lines += [
+            "",
+            "The fp8-trained params evaluated again with bf16 matmuls (the same weights, no fp8 "
+            "at inference): what is left of the gap is what fp8 training did to the weights.",
+            "",
+            "| trained as | its reference | test loss, fp8 inference | same params, bf16 "
+            "inference | gap, fp8 inference (%) | gap, bf16 inference (%) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for label in rows:
+            c, r = col[label], base.get(label, ref)
+            name = PEER_REF if label == PEER_FP8 else REFERENCE
+            lines.append(
+                f"| {label} | {name} | {mean_sd(c['loss'], 1, 5)} "
+                f"| {mean_sd(c['bf16_loss'], 1, 5)} | {paired(pct(c['loss'], r['loss']))} "
+                f"| {paired(pct(c['bf16_loss'], r['loss']))} |"
+            )
     return lines
 
 
@@ -247,20 +342,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, help="0: each recipe's own (600, 1000)")
     parser.add_argument("--recipes", default="lm,digits", help="comma-separated: lm, digits")
     parser.add_argument("--no_peer", action="store_true", help="skip the Flax fp8_ops peer")
+    parser.add_argument("--no_bf16_eval", action="store_true",
+                        help="skip evaluating the fp8-trained params again in bf16")  # fmt: skip
     parser.add_argument("--out", default=str(RESULTS / "accuracy_fp8_cpu.md"))
+    parser.add_argument("--eval_in_bf16", help=argparse.SUPPRESS)  # WORKDIR: the helper mode
     add_run_arguments(parser)
     args = parser.parse_args()
+    if args.eval_in_bf16:
+        print(json.dumps(eval_in_bf16(pathlib.Path(args.eval_in_bf16))))
+        return
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     unknown = [r for r in recipes if r not in RECIPES]
     if unknown or not recipes:
         parser.error(f"--recipes: unknown {unknown}; accepted: {', '.join(RECIPES)}")
 
     start = time.perf_counter()
-    results = {r: {} for r in recipes}  # recipe -> label -> final metric per seed
-    seconds = {r: {} for r in recipes}
+    # recipe -> label -> one dict per seed: final test loss and accuracy, seconds, skipped steps
+    # and, for fp8 runs, bf16_loss / bf16_accuracy (the same params evaluated in bf16)
+    results = {r: {} for r in recipes}
     errors = {r: {} for r in recipes}  # recipe -> label -> the peer's error
     curves = {r: {} for r in recipes}  # seed 0's records
-    skipped = {r: {} for r in recipes}
     peer_sites = {}  # peer label -> its number of flax fp8 ops
     config = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -280,6 +381,9 @@ def main() -> None:
                                           spec["config"], overrides=overrides(recipe, steps) +
                                           extra, activations=args.activations)  # fmt: skip
                         config.setdefault(recipe, json.loads((workdir / "config.json").read_text()))
+                        seconds = time.perf_counter() - t0
+                        if label in FP8 and not args.no_bf16_eval:
+                            run_records.append(dict(run_eval_in_bf16(workdir), kind="eval_bf16"))
                     else:
                         run_records, error, n = run_peer(dot, seed, steps, workdir, args.data_dir)
                         peer_sites[label] = n
@@ -288,15 +392,21 @@ def main() -> None:
                             results[recipe].setdefault(label, [])
                             print(f"{recipe:6s} {label:34s} seed {seed}: failed: {error}")
                             continue
-                    seconds[recipe].setdefault(label, []).append(time.perf_counter() - t0)
-                    value = final(run_records, spec["metric"])
-                    results[recipe].setdefault(label, []).append(value)
-                    train = records(run_records, "train")
-                    skipped[recipe].setdefault(label, []).append(train[-1].get("skipped_steps", 0))
+                        seconds = time.perf_counter() - t0
+                    ev = final(run_records)
+                    skips = final(run_records, "train").get("skipped_steps", 0)
+                    result = dict(loss=ev["loss"], accuracy=ev["accuracy"], seconds=seconds,
+                                  skipped=skips)  # fmt: skip
+                    if records(run_records, "eval_bf16"):
+                        bf16 = final(run_records, "eval_bf16")
+                        result.update(bf16_loss=bf16["loss"], bf16_accuracy=bf16["accuracy"])
+                    results[recipe].setdefault(label, []).append(result)
                     if seed == 0:
                         curves[recipe][label] = run_records
-                    print(f"{recipe:6s} {label:34s} seed {seed}: {spec['metric']} {value:.4f}, "
-                          f"{seconds[recipe][label][-1]:.0f} s", flush=True)  # fmt: skip
+                    print(f"{recipe:6s} {label:34s} seed {seed}: test loss {ev['loss']:.4f}, "
+                          f"accuracy {ev['accuracy']:.4f}, {seconds:.0f} s" +
+                          (f"; in bf16: test loss {result['bf16_loss']:.4f}"
+                           if "bf16_loss" in result else ""), flush=True)  # fmt: skip
     minutes = (time.perf_counter() - start) / 60
 
     out = pathlib.Path(args.out)
@@ -308,6 +418,8 @@ def main() -> None:
         command += f" --steps {args.steps}"
     if args.no_peer:
         command += " --no_peer"
+    if args.no_bf16_eval:
+        command += " --no_bf16_eval"
     if args.data_dir:
         command += f" --data_dir {args.data_dir}"
     if args.activations != "auto":
@@ -355,9 +467,10 @@ def main() -> None:
                     f"{PEER_FP8}: `flax.linen.fp8_ops.Fp8DirectDotGeneralOp` "
                     "(amax history 16 as jamp's) as the dot_general class of the MLP's Dense "
                     "layers and of the attention's q, k, v and out projections "
-                    f"({peer_sites.get(PEER_FP8)} fp8 matmuls); its `_overwrite_with_gradient` variables are replaced "
-                    "by their 'gradients' through flax's `TrainState.apply_gradients` and kept "
-                    f"out of the clipping and the optimizer; {PEER_REF}: the same without fp8.",
+                    f"({peer_sites.get(PEER_FP8)} fp8 matmuls); its `_overwrite_with_gradient` "
+                    "variables are replaced by their 'gradients' through flax's "
+                    "`TrainState.apply_gradients` and kept out of the clipping and the "
+                    f"optimizer; {PEER_REF}: the same without fp8.",
                 ]
         else:
             lines.append(
@@ -365,8 +478,10 @@ def main() -> None:
                 "steps; 300 test images (one image is 0.33 points). Under mixed_fp8 only the "
                 "hidden Dense layer is fp8 (the convolutions and the output head stay bf16)."
             )
-        lines += [""] + table(recipe, results[recipe], seconds[recipe], errors[recipe])
-        nonzero = {k: v for k, v in skipped[recipe].items() if any(v)}
+        lines += [""] + table(recipe, results[recipe], errors[recipe])
+        skipped = {k: [r["skipped"] for r in v] for k, v in results[recipe].items()}
+        nonzero = {k: v for k, v in skipped.items() if any(v)}
+        lines.append("")
         lines.append(
             "- skipped steps (non-finite gradients): "
             + (", ".join(f"{k} {v}" for k, v in nonzero.items()) if nonzero else "none in any run")

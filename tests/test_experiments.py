@@ -58,14 +58,16 @@ def test_accuracy_fp8_quickest_mode_writes_its_table(tmp_path):
     # One recipe, one seed, a few steps: the four policies through the real program (~30 s).
     out = tmp_path / "accuracy_fp8.md"
     cmd = [sys.executable, str(EXPERIMENTS / "accuracy_fp8.py"), "--recipes", "digits",
-           "--seeds", "1", "--steps", "12", "--out", str(out), "--data_dir", str(tmp_path)]  # fmt: skip
+           "--seeds", "1", "--steps", "12", "--out", str(out),
+           "--data_dir", str(tmp_path)]  # fmt: skip
     proc = subprocess.run(cmd, env=cli_env(1), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     for label in ("float32", "mixed_bfloat16", "mixed_fp8 delayed", "mixed_fp8 current"):
         assert f"\n| {label} | " in text
-    assert "(reference)" in text and "the bar of 0.5 accuracy points" in text
+    assert "(reference)" in text and "the bar of 0.5 points" in text
     assert "jax " in text and "flax " in text and "- date: " in text
+    assert "| mixed_fp8 delayed | mixed_bfloat16 | " in text  # its params evaluated in bf16
 
 
 def test_fp8_peer_step_overwrites_flax_fp8_variables_and_optimizes_only_params():
