@@ -1,6 +1,6 @@
 """fp8 at equal budget: mixed_fp8 (delayed and current scaling) against float32 and mixed_bfloat16.
 
-    cd /work/main && python experiments/accuracy_fp8.py              # 2 recipes, 2 seeds, ~33 min
+    cd /work/main && python experiments/accuracy_fp8.py              # 2 recipes, 2 seeds, 31-37 min
     cd /work/main && python experiments/accuracy_fp8.py --recipes lm --seeds 1 --steps 100
     cd /work/main && python experiments/accuracy_fp8.py --recipes digits --seeds 1 --steps 20
 
@@ -305,7 +305,7 @@ def table(recipe: str, runs: dict, errors: dict) -> list[str]:
         d = measure(col[label][metric], ref[metric])
         verdict = "within" if abs(statistics.mean(d)) <= bar else "OUTSIDE"
         lines.append(
-            f"- {label} vs {REFERENCE}: {statistics.mean(d):+.2f} {unit} in test {metric} (mean "
+            f"- {label} vs {REFERENCE}, test {metric}: {statistics.mean(d):+.2f} {unit} (mean "
             f"over {len(d)} seeds; worst seed {max(d, key=abs):+.2f}): {verdict} the bar of "
             f"{bar:g} {unit}."
         )
