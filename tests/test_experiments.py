@@ -101,3 +101,30 @@ def test_fp8_peer_step_overwrites_flax_fp8_variables_and_optimizes_only_params()
     assert metrics["grads_finite"] == 1.0 and 0 < metrics["grad_norm"] < jnp.inf
     moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), new.params["params"], before["params"])
     assert all(jax.tree.leaves(moved))
+
+
+def test_bench_fp8_builds_its_variants_and_reads_gemm_operand_types():
+    # The GPU benchmark, kept runnable for the next lent GPU: one tiny variant of jamp and of the
+    # Flax peer builds and steps here, and the GEMM count reads a GPU fp8 custom call's operands.
+    import bench_fp8
+
+    ((label, sizes, batch, seq),) = bench_fp8.widths(on_gpu=False, quick=True)
+    for built in (
+        bench_fp8.build(sizes, batch, seq, "mixed_fp8", "delayed"),
+        bench_fp8.build_flax(sizes, batch, seq, True),
+    ):
+        run, (compile_s, temp_mib), gemms = built
+        jax.block_until_ready(run())
+        assert compile_s > 0 and temp_mib > 0 and gemms
+    hlo = "\n".join(
+        [
+            "ENTRY %main (p0: f8e4m3fn[16,64], p1: f8e4m3fn[64,32]) -> f32[16,32] {",
+            "  %p0 = f8e4m3fn[16,64]{1,0} parameter(0)",
+            "  %p1 = f8e4m3fn[64,32]{1,0} parameter(1)",
+            "  %g = (f32[16,32]{1,0}, s8[1024]{0}) custom-call(%p0, %p1), "
+            'custom_call_target="__cublas$lt$matmul$f8"',
+            "}",
+        ]
+    )
+    assert bench_fp8.gemm_counts(hlo) == {"gemm f8e4m3fnxf8e4m3fn (__cublas$lt$matmul$f8)": 1}
+    assert bench_fp8.widths(on_gpu=True, quick=False)[0][0] == "GPT-2 small 12 x 768"
