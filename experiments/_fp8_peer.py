@@ -15,11 +15,11 @@ to flax's own `TrainState.apply_gradients`, which runs the optimizer on the para
 fp8 variables by their "gradients"; the optimizer never sees them.
 
 Everything else is the training program's: the config (configs/lm_pydoc.py with the same command
-line overrides, parsed by `jamp.run_config.parse_config`), the dataset (`jamp.loop.build_model`,
-hence `jamp.data.get_dataset`: the same batches in the same order), the initial parameters (the
-program's `jamp.loop.init_state`), the optimizer and schedule (`jamp.optim.make_optimizer`), the
+line overrides, parsed by `jamp.train.run_config.parse_config`), the dataset (`jamp.train.loop.build_model`,
+hence `jamp.train.data.get_dataset`: the same batches in the same order), the initial parameters (the
+program's `jamp.train.loop.init_state`), the optimizer and schedule (`jamp.train.optim.make_optimizer`), the
 gradient clipping (global norm of the params' gradient), the skip of a non-finite step, the loss
-and the eval (`jamp.tasks`). It writes `metrics.jsonl` like the program (train windows of
+and the eval (`jamp.train.tasks`). It writes `metrics.jsonl` like the program (train windows of
 `--log_every` steps, eval at the recipe's eval_every_steps and at the end), so the accuracy script
 reads both alike.
 
@@ -45,9 +45,9 @@ import optax
 from flax.linen import fp8_ops
 from flax.training import train_state
 
-from jamp import loop, tasks
-from jamp.optim import make_optimizer
-from jamp.run_config import parse_config
+from jamp.train import loop, tasks
+from jamp.train.optim import make_optimizer
+from jamp.train.run_config import parse_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "lm_pydoc.py"

@@ -135,10 +135,10 @@ def eval_in_bf16(workdir: pathlib.Path) -> dict:
     import jax
     import ml_collections
 
-    from jamp import loop, tasks
-    from jamp.checkpoint import Checkpointer
-    from jamp.optim import make_optimizer
     from jamp.step import make_eval_step
+    from jamp.train import loop, tasks
+    from jamp.train.checkpoint import Checkpointer
+    from jamp.train.optim import make_optimizer
 
     config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
     run, data_cfg, optim_cfg, task = loop.parse_config(config)

@@ -59,7 +59,7 @@ def dataset_facts(data_dir: str, seq_len: int) -> str:
     """Topics, bytes and windows per split of the prepared dataset the runs read."""
     import tensorflow_datasets as tfds
 
-    from jamp.data import pydoc_topics, resolve_data_dir
+    from jamp.train.data import pydoc_topics, resolve_data_dir
 
     builder = tfds.builder(
         pydoc_topics.NAME, data_dir=resolve_data_dir(data_dir), file_format="array_record"

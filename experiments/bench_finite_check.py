@@ -29,9 +29,9 @@ from _timing import interleaved, ratio_stats  # noqa: E402
 from _xla import cpu_description  # noqa: E402
 
 import jamp  # noqa: E402
-from jamp import tasks  # noqa: E402
 from jamp.models import get_model  # noqa: E402
-from jamp.optim import OptimConfig, make_optimizer  # noqa: E402
+from jamp.train import tasks  # noqa: E402
+from jamp.train.optim import OptimConfig, make_optimizer  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 

@@ -40,8 +40,9 @@ from _timing import interleaved, ratio_stats
 from _xla import cpu_description, machine_name
 
 import jamp
-from jamp import fp8, tasks
+from jamp import fp8
 from jamp.models.transformer import TransformerLM
+from jamp.train import tasks
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 KEY = jax.random.key(0)

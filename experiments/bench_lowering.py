@@ -112,7 +112,7 @@ def child(args) -> dict:
     from jamp import hardware
     from jamp.state import TrainState
     from jamp.step import make_train_step
-    from jamp.tasks import make_loss_fn
+    from jamp.train.tasks import make_loss_fn
 
     tx, key = optax.adam(1e-4), jax.random.key(0)
     rng = np.random.default_rng(0)

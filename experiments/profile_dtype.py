@@ -28,9 +28,10 @@ import optax
 from _xla import cpu_description
 
 import jamp
-from jamp import parallel, tasks
+from jamp import parallel
 from jamp.inspect.profile import profile_steps
 from jamp.models import SeedCNN, TransformerLM
+from jamp.train import tasks
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

@@ -60,7 +60,7 @@ from jamp.loss_scale import DynamicLossScale, NoOpLossScale
 from jamp.models import get_model, model_task
 from jamp.state import TrainState
 from jamp.step import make_train_step
-from jamp.tasks import make_loss_fn
+from jamp.train.tasks import make_loss_fn
 from jamp.wrap import wrap
 
 HERE = pathlib.Path(__file__).resolve().parent

@@ -27,17 +27,17 @@ def cli_env(devices: int = 2) -> dict:
 
 
 def recipe_state(data_dir, overrides=None, recipe: str = "default"):
-    """A fresh host TrainState of a recipe, built the way jamp.loop builds it (a restore target).
+    """A fresh host TrainState of a recipe, built the way jamp.train.loop builds it (a restore target).
 
     `overrides` maps dotted config fields to values, as `--config.<field>=<value>` would.
     """
     import pathlib
     import runpy
 
-    from jamp import data as data_lib
-    from jamp import loop
     from jamp.models import get_model
-    from jamp.optim import make_optimizer
+    from jamp.train import data as data_lib
+    from jamp.train import loop
+    from jamp.train.optim import make_optimizer
     from jamp.wrap import wrap
 
     path = pathlib.Path(__file__).resolve().parents[1] / "configs" / f"{recipe}.py"

@@ -125,7 +125,7 @@ def _assert_one_line_error(out: subprocess.CompletedProcess, needle: str) -> str
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    from jamp.data import prepare_digits
+    from jamp.train.data import prepare_digits
 
     path = tmp_path_factory.mktemp("tfds")
     prepare_digits(str(path))

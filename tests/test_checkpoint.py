@@ -1,4 +1,4 @@
-"""Tests for jamp.checkpoint: exact round trips, retention, damaged and foreign checkpoints, and
+"""Tests for jamp.train.checkpoint: exact round trips, retention, damaged and foreign checkpoints, and
 saves that fail or are interrupted."""
 
 import asyncio
@@ -16,9 +16,9 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from jamp.checkpoint import Checkpointer, CheckpointError
 from jamp.loss_scale import DynamicLossScale, NoOpLossScale
 from jamp.state import TrainState
+from jamp.train.checkpoint import Checkpointer, CheckpointError
 
 # When a read fails, Orbax's reader leaves a callback for an event loop it has closed; Python
 # reports it ("Event loop is closed") at some later garbage collection, in whichever test runs then.
@@ -179,7 +179,7 @@ def test_checkpointer_damaged_latest_falls_back(tmp_path, state, how, caplog):
         ckpt.save(1, older)
         ckpt.save(2, state)
     _damage(tmp_path / "2", how)
-    with Checkpointer(tmp_path) as ckpt, caplog.at_level(logging.WARNING, "jamp.checkpoint"):
+    with Checkpointer(tmp_path) as ckpt, caplog.at_level(logging.WARNING, "jamp.train.checkpoint"):
         assert ckpt.latest_step() == 2
         restored = ckpt.restore(_fresh_state())
         with pytest.raises(CheckpointError, match="^checkpoint at step 2 .* cannot be read"):

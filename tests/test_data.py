@@ -1,4 +1,4 @@
-"""jamp.data: offline digits and pydoc, mocked tfds datasets, offline errors, synthetic data."""
+"""jamp.train.data: offline digits and pydoc, mocked tfds datasets, offline errors, synthetic data."""
 
 import itertools
 import os
@@ -11,7 +11,7 @@ import pytest
 import requests
 import tensorflow_datasets as tfds
 
-from jamp.data import (
+from jamp.train.data import (
     DataConfig,
     DataError,
     DatasetInfo,
@@ -22,9 +22,9 @@ from jamp.data import (
     pydoc_topics,
     tfds_sources,
 )
-from jamp.data import __main__ as data_main
-from jamp.data import digits as digits_module
-from jamp.data.testing import mock_tfds
+from jamp.train.data import __main__ as data_main
+from jamp.train.data import digits as digits_module
+from jamp.train.data.testing import mock_tfds
 
 DEVICES = 8
 
@@ -285,7 +285,7 @@ def test_text_that_is_too_short_for_one_sequence_is_a_data_error():
 def _assert_one_line_naming(error, name, data_dir):
     message = str(error.value)
     assert "\n" not in message and f"'{name}'" in message and data_dir in message
-    assert f"python -m jamp.data {name}" in message
+    assert f"python -m jamp.train.data {name}" in message
 
 
 def test_absent_dataset_without_download_is_a_one_line_error(tmp_path):
@@ -419,7 +419,7 @@ def test_next_timed_returns_the_batch_and_the_wait():
 
 def test_importing_jamp_data_pulls_in_neither_tfds_nor_tensorflow():
     code = (
-        "import sys, jamp.data; "
+        "import sys, jamp.train.data; "
         "print(sorted(m for m in ('tensorflow', 'tensorflow_datasets') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -427,8 +427,8 @@ def test_importing_jamp_data_pulls_in_neither_tfds_nor_tensorflow():
 
 
 def test_how_to_provide_names_the_prepare_command_users_can_run():
-    from jamp.data.tfds_sources import how_to_provide
+    from jamp.train.data.tfds_sources import how_to_provide
 
-    assert "python -m jamp.data digits --data_dir=/d" in how_to_provide("jamp_digits", "/d")
+    assert "python -m jamp.train.data digits --data_dir=/d" in how_to_provide("jamp_digits", "/d")
     assert "no network" in how_to_provide("jamp_pydoc", "/d")
-    assert "python -m jamp.data mnist --data_dir=/d" in how_to_provide("mnist", "/d")
+    assert "python -m jamp.train.data mnist --data_dir=/d" in how_to_provide("mnist", "/d")

@@ -76,7 +76,7 @@ def test_fp8_peer_step_overwrites_flax_fp8_variables_and_optimizes_only_params()
     import optax
     from flax.training import train_state
 
-    from jamp import tasks
+    from jamp.train import tasks
 
     model = _fp8_peer.PeerLM(256, num_layers=1, d_model=32, num_heads=2, mlp_dim=64,
                              dot_cls=_fp8_peer.fp8_dot_cls(4))  # fmt: skip

@@ -487,7 +487,7 @@ def test_sharded_state_equals_the_single_device_state(lm_setup, warm):
 
 
 def test_checkpoint_restores_the_fp8_state_bit_exactly(tmp_path, warm):
-    from jamp.checkpoint import Checkpointer
+    from jamp.train.checkpoint import Checkpointer
 
     state = warm[1]
     with Checkpointer(tmp_path / "ckpt") as ckpt:

@@ -1,4 +1,4 @@
-"""Tests for jamp.metrics: the JSON lines file, TensorBoard events, config.json, window averaging,
+"""Tests for jamp.train.metrics: the JSON lines file, TensorBoard events, config.json, window averaging,
 the summary table and the memory probes."""
 
 import json
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jamp.metrics import (
+from jamp.train.metrics import (
     LAST_VALUE_KEYS,
     MetricWriter,
     mean_metrics,
@@ -205,7 +205,7 @@ def test_metric_writer_config_json(tmp_path):
         "optim": {"lr": 0.1, "betas": [0.9, 0.999], "clip": "inf"},
         "dtype": "float16",
         "param_dtype": "bfloat16",
-        "module": "jamp.metrics.MetricWriter",
+        "module": "jamp.train.metrics.MetricWriter",
         "steps": 20,
     }
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]

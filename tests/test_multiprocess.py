@@ -34,8 +34,8 @@ import orbax.checkpoint as ocp
 import pytest
 from subproc import cli_env, recipe_state
 
-from jamp import data as data_lib
-from jamp.data import pipeline
+from jamp.train import data as data_lib
+from jamp.train.data import pipeline
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMOKE = ["--config=configs/synthetic.py:smoke", "--config.image_shape=(8, 8, 1)"]

@@ -1,11 +1,11 @@
-"""jamp.optim: optimizers and schedules from a dataclass, with clear errors."""
+"""jamp.train.optim: optimizers and schedules from a dataclass, with clear errors."""
 
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from jamp.optim import OPTIMIZERS, SCHEDULES, OptimConfig, make_optimizer
+from jamp.train.optim import OPTIMIZERS, SCHEDULES, OptimConfig, make_optimizer
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)

@@ -24,7 +24,7 @@ from subproc import cli_env
 import jamp
 from jamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jamp.models import ResNet
-from jamp.overflow_watch import OverflowWatch
+from jamp.train.overflow_watch import OverflowWatch
 
 KEY = jax.random.key(0)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -581,7 +581,7 @@ def test_train_persistent_overflow_config_rejects_bad_values(arg, needle, tmp_pa
 
 
 def test_overflow_log_counts_the_modules_of_skipped_steps_only():
-    from jamp.overflow_watch import OverflowLog, without_flags
+    from jamp.train.overflow_watch import OverflowLog, without_flags
 
     ok, bad = np.bool_(True), np.bool_(False)
     window = [

@@ -60,7 +60,7 @@ def _run(python, args, cwd, timeout=600):
 def test_packaging_wheel_carries_the_package_and_every_recipe(installed, tmp_path):
     out = _run(
         installed,
-        ["-c", "import jamp, jamp.train as t; print(jamp.__file__); print(*t.recipe_names())"],
+        ["-c", "import jamp, jamp.train.cli as t; print(jamp.__file__); print(*t.recipe_names())"],
         tmp_path,
     )
     assert out.returncode == 0, out.stderr[-3000:]

@@ -25,14 +25,14 @@ TRAIN_KEYS = {
     "examples_per_sec",
 }
 
-# Runs the CLI on tfds's mock data (through jamp.data.testing), so the tfds recipes run offline.
+# Runs the CLI on tfds's mock data (through jamp.train.data.testing), so the tfds recipes run offline.
 # sys.argv must be set before jamp.train is imported: ml_collections reads the overrides from it.
 MOCKED = """
 import sys
-from jamp.data.testing import mock_tfds
+from jamp.train.data.testing import mock_tfds
 sys.argv = ["jamp.train"] + sys.argv[1:]
 with mock_tfds(num_examples=48):
-    from jamp import train
+    from jamp.train import cli as train
     train.run()
 """
 

@@ -12,7 +12,7 @@ import pytest
 from subproc import recipe_state
 from test_train import _records, _smoke
 
-from jamp.checkpoint import Checkpointer
+from jamp.train.checkpoint import Checkpointer
 
 STEPS, EVERY = 12, 6
 FLAGS = [

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from subproc import cli_env, recipe_state
 
-from jamp.checkpoint import Checkpointer
+from jamp.train.checkpoint import Checkpointer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS, EVERY = 20, 10
@@ -64,7 +64,7 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target(data_dir):
-    """A fresh TrainState of the recipe, built the way jamp.loop builds it: the restore target."""
+    """A fresh TrainState of the recipe, built the way jamp.train.loop builds it: the restore target."""
     return recipe_state(data_dir)
 
 

@@ -23,13 +23,13 @@ import sys
 
 from absl import app, logging
 
-from jamp import train
+from jamp.train import cli as train
 
 
 def _build(config):
     """What the training program builds from a recipe: settings, dataset, wrapped model, state."""
-    from jamp import loop
-    from jamp.optim import make_optimizer
+    from jamp.train import loop
+    from jamp.train.optim import make_optimizer
 
     run, data_cfg, optim_cfg, task = loop.parse_config(config)
     dataset, model = loop.build_model(run, data_cfg, task)
@@ -45,11 +45,11 @@ def inspect_recipe(config, workdir) -> str:
     """
     import jax
 
-    from jamp import loop, tasks
     from jamp.inspect.ranges import range_report
     from jamp.inspect.report import precision_report
     from jamp.precision import describe
     from jamp.step import make_train_step
+    from jamp.train import loop, tasks
 
     path = loop.resolve_workdir(workdir) if workdir else None
     run, data_cfg, task, dataset, model, tx, state = _build(config)
@@ -92,8 +92,8 @@ def main(argv, config, workdir) -> None:
     )
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
-    from jamp import loop
-    from jamp.data import DataError
+    from jamp.train import loop
+    from jamp.train.data import DataError
 
     try:
         resolved = config.value.to_dict() and config.value  # loads the recipe file now

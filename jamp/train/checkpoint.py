@@ -416,7 +416,9 @@ class Checkpointer:
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            multihost_utils.sync_global_devices("jamp.checkpoint: damaged checkpoints set aside")
+            multihost_utils.sync_global_devices(
+                "jamp.train.checkpoint: damaged checkpoints set aside"
+            )
         self._manager.reload()
 
     def _restore_step(self, step: int, abstract: Any, wanted: dict) -> TrainState:

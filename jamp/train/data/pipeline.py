@@ -19,7 +19,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from jamp.data.config import DatasetInfo, Splits
+from jamp.train.data.config import DatasetInfo, Splits
 
 # The seed recipe: per-channel mean and std of 0.5 on [0, 1] pixels, i.e. pixels in [-1, 1].
 MEAN = 0.5

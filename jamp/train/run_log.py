@@ -1,6 +1,6 @@
 """What the training program tells its user while it runs: the progress line, skipped steps and
 the modules that overflowed, the persistent-overflow stop, the profile of the first steps, and
-the device's 16-bit support. Split from `jamp.loop`, which calls these at its log points.
+the device's 16-bit support. Split from `jamp.train.loop`, which calls these at its log points.
 """
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ import sys
 import jax
 import numpy as np
 
-from jamp import fp8, hardware, precision, tasks
+from jamp import fp8, hardware, precision
 from jamp.inspect.overflow import forward_nonfinite
 from jamp.inspect.profile import profile_steps
-from jamp.overflow_watch import TrainingDiverged, advice
 from jamp.precision import auto_reason
+from jamp.train import tasks
+from jamp.train.overflow_watch import TrainingDiverged, advice
 
 
 def show_progress(bar, step, record, counts):

@@ -26,7 +26,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-_PACKAGE = pathlib.Path(__file__).resolve().parent
+_PACKAGE = pathlib.Path(__file__).resolve().parent.parent  # jamp/
 # An install carries the recipes as jamp/configs/ (pyproject.toml maps the checkout's configs/).
 RECIPES_DIR = next(
     (
@@ -181,9 +181,9 @@ def main(argv: list[str], config, workdir) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     # Imported here so that flag errors do not pay for importing JAX and TensorFlow.
-    from jamp import loop
-    from jamp.checkpoint import CheckpointError
-    from jamp.data import DataError
+    from jamp.train import loop
+    from jamp.train.checkpoint import CheckpointError
+    from jamp.train.data import DataError
 
     try:
         resolved = config.value.to_dict() and config.value  # loads the recipe file now
@@ -208,7 +208,3 @@ def run() -> None:
     except Exception as e:
         _fail(f"cannot load the config: {_one_line(e)}")
     app.run(functools.partial(main, config=config, workdir=workdir), flags_parser=_parse_flags)
-
-
-if __name__ == "__main__":
-    run()

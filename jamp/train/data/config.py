@@ -1,4 +1,4 @@
-"""The small value types of `jamp.data`: its config, the facts a model needs, and its error."""
+"""The small value types of `jamp.train.data`: its config, the facts a model needs, and its error."""
 
 import dataclasses
 import os
@@ -15,7 +15,7 @@ class DataConfig:
     """What to read and how to batch it.
 
     Attributes:
-      dataset: a name registered in `jamp.data.DATASETS`.
+      dataset: a name registered in `jamp.train.data.DATASETS`.
       batch_size: the GLOBAL batch size: every batch holds this many examples, to be split evenly
         over the devices.
       data_dir: where tfds datasets live (and where "digits" is prepared). None: `$TFDS_DATA_DIR`,

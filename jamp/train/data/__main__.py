@@ -1,13 +1,13 @@
-"""Prepare a dataset for offline use: `python -m jamp.data NAME [--data_dir DIR]`."""
+"""Prepare a dataset for offline use: `python -m jamp.train.data NAME [--data_dir DIR]`."""
 
 import argparse
 import sys
 
-from jamp.data import DATASETS, DataError, prepare
+from jamp.train.data import DATASETS, DataError, prepare
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jamp.data", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m jamp.train.data", description=__doc__)
     parser.add_argument("name", choices=sorted(DATASETS))
     parser.add_argument(
         "--data_dir", default=None, help="default: $TFDS_DATA_DIR or ~/tensorflow_datasets"

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
-from jamp.data.config import DataError
+from jamp.train.data.config import DataError
 
 FILE_FORMAT = "array_record"
 PROBE_TIMEOUT_S = 3.0
@@ -28,9 +28,11 @@ PROBE_TIMEOUT_S = 3.0
 
 def how_to_provide(name: str, data_dir: str) -> str:
     if name.startswith("jamp_"):  # jamp's own builders: made locally, registered without prefix
-        return f"run `python -m jamp.data {name[5:]} --data_dir={data_dir}` (no network needed)"
+        return (
+            f"run `python -m jamp.train.data {name[5:]} --data_dir={data_dir}` (no network needed)"
+        )
     return (
-        f"run `python -m jamp.data {name} --data_dir={data_dir}` on a machine with network (and "
+        f"run `python -m jamp.train.data {name} --data_dir={data_dir}` on a machine with network (and "
         f"copy {data_dir}/{name} here), or set --config.data_dir to a directory that holds it"
     )
 

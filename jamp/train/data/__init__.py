@@ -1,10 +1,10 @@
 """Input pipelines of the training program: tfds datasets, the offline digits, synthetic data.
 
-Only the training program imports this package (the library never does). `import jamp.data`
+Only the training program imports this package (the library never does). `import jamp.train.data`
 costs numpy and grain; tensorflow_datasets is imported when a tfds dataset is opened, and
 TensorFlow only when one has to be prepared.
 
-    ds = jamp.data.get_dataset(DataConfig("digits", batch_size=64), jax.local_device_count())
+    ds = jamp.train.data.get_dataset(DataConfig("digits", batch_size=64), jax.local_device_count())
     for step, batch in zip(range(start, steps), ds.train_batches(start)): ...
 
 Measuring input stalls: batches are built ahead by background threads, so the time the loop
@@ -15,15 +15,15 @@ Datasets (`DATASETS`): "digits" (offline default: scikit-learn's 8x8 digits as a
 prepared into data_dir on first use), "mnist", "fashion_mnist", "cifar10", "tiny_shakespeare"
 (byte tokens), "pydoc" (offline byte tokens: CPython's pydoc help texts as a tfds dataset, prepared
 on first use), "synthetic_images", "synthetic_tokens". Prepare a tfds dataset for an offline
-machine with `python -m jamp.data NAME --data_dir DIR`.
+machine with `python -m jamp.train.data NAME --data_dir DIR`.
 """
 
 import time
 from collections.abc import Iterator
 
-from jamp.data.config import DataConfig, DataError, DatasetInfo, resolve_data_dir
-from jamp.data.pipeline import Dataset, normalize_images
-from jamp.data.registry import DATASETS, get_dataset, prepare, prepare_digits
+from jamp.train.data.config import DataConfig, DataError, DatasetInfo, resolve_data_dir
+from jamp.train.data.pipeline import Dataset, normalize_images
+from jamp.train.data.registry import DATASETS, get_dataset, prepare, prepare_digits
 
 
 def next_timed(batches: Iterator[dict]) -> tuple[dict, float]:

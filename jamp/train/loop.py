@@ -1,7 +1,7 @@
 """`train_and_evaluate(config, workdir)`: the training program, wired from the library's parts.
 
 The ml_collections config is converted once, at the top, into the small dataclasses each part owns
-(`jamp.run_config.parse_config`); nothing below sees the ConfigDict. Every check that can fail on
+(`jamp.train.run_config.parse_config`); nothing below sees the ConfigDict. Every check that can fail on
 user input runs before the workdir is touched, and a checkpoint is restored before anything is
 written into the workdir.
 """
@@ -20,28 +20,29 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jamp import data as data_lib
-from jamp import fp8, parallel, run_log, sharding, tasks
-from jamp.checkpoint import Checkpointer
-from jamp.metrics import MetricWriter, mean_metrics, peak_memory_mib, summary_table
+from jamp import fp8, parallel, sharding
 from jamp.models import get_model
-from jamp.optim import make_optimizer
-from jamp.overflow_watch import (  # noqa: F401 (TrainingDiverged is loop's API too)
+from jamp.precision import describe, reduce_dtype
+from jamp.state import TrainState
+from jamp.step import make_eval_step, make_train_step
+from jamp.train import data as data_lib
+from jamp.train import run_log, tasks
+from jamp.train.checkpoint import Checkpointer
+from jamp.train.metrics import MetricWriter, mean_metrics, peak_memory_mib, summary_table
+from jamp.train.optim import make_optimizer
+from jamp.train.overflow_watch import (  # noqa: F401 (TrainingDiverged is loop's API too)
     OverflowLog,
     OverflowWatch,
     TrainingDiverged,
     without_flags,
 )
-from jamp.precision import describe, reduce_dtype
-from jamp.run_config import (  # noqa: F401 (ConfigError and parse_config are loop's API too)
+from jamp.train.run_config import (  # noqa: F401 (ConfigError and parse_config are loop's API too)
     ConfigError,
     RunConfig,
     parse_config,
     prepare_workdir,
     resolve_workdir,
 )
-from jamp.state import TrainState
-from jamp.step import make_eval_step, make_train_step
 from jamp.wrap import wrap
 
 
@@ -49,7 +50,7 @@ def build_model(run: RunConfig, data_cfg, task: str):
     """The dataset and the wrapped model a parsed config describes: `(dataset, model)`.
 
     Raises ConfigError (the model does not fit the data, a bad model_config or override) or
-    `jamp.data.DataError`, with one-line messages; writes nothing.
+    `jamp.train.data.DataError`, with one-line messages; writes nothing.
     """
     dataset = data_lib.get_dataset(data_cfg, jax.device_count())
     if dataset.info.task != task:
@@ -224,7 +225,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
     """Trains and evaluates the model `config` describes; returns the summary it prints.
 
     Resumes from the latest checkpoint in `workdir/checkpoints` if there is one. Raises
-    `ConfigError`, `jamp.data.DataError` or `jamp.checkpoint.CheckpointError` (one-line messages)
+    `ConfigError`, `jamp.train.data.DataError` or `jamp.train.checkpoint.CheckpointError` (one-line messages)
     for problems with the user's input, before writing anything into the workdir.
     """
     t_begin = time.perf_counter()

@@ -1,7 +1,7 @@
 """The training program's config, validated and split into the dataclasses each part owns.
 
 `parse_config` turns the ml_collections ConfigDict into a `RunConfig` (the loop's settings), a
-`jamp.data.DataConfig` and a `jamp.optim.OptimConfig`, raising `ConfigError` with one line for
+`jamp.train.data.DataConfig` and a `jamp.train.optim.OptimConfig`, raising `ConfigError` with one line for
 anything the program cannot run with; `resolve_workdir` checks the workdir without creating it.
 Nothing past this module sees a ConfigDict.
 """
@@ -21,13 +21,13 @@ import ml_collections
 import numpy as np
 
 from jamp import activations as activations_lib
-from jamp import data as data_lib
 from jamp import fp8, hardware, precision, sharding
 from jamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jamp.models import model_task
-from jamp.optim import OptimConfig
-from jamp.overflow_watch import ON_PERSISTENT_OVERFLOW
 from jamp.precision import get_policy
+from jamp.train import data as data_lib
+from jamp.train.optim import OptimConfig
+from jamp.train.overflow_watch import ON_PERSISTENT_OVERFLOW
 
 LOSS_SCALES = ("auto", "dynamic", "static", "none")
 PARALLELISM = ("pmap", "sharded")

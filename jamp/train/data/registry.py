@@ -3,12 +3,12 @@
 import functools
 from collections.abc import Callable
 
-from jamp.data.config import DataConfig, DataError, DatasetInfo, Splits, resolve_data_dir
-from jamp.data.pipeline import Dataset
+from jamp.train.data.config import DataConfig, DataError, DatasetInfo, Splits, resolve_data_dir
+from jamp.train.data.pipeline import Dataset
 
 
 def _digits(cfg: DataConfig) -> Splits:
-    from jamp.data import digits, tfds_sources  # tfds is imported only for tfds datasets
+    from jamp.train.data import digits, tfds_sources  # tfds is imported only for tfds datasets
 
     data_dir = resolve_data_dir(cfg.data_dir)
     builder, sources = tfds_sources.open_splits(
@@ -18,7 +18,7 @@ def _digits(cfg: DataConfig) -> Splits:
 
 
 def _tfds_images(name: str, eval_split: str, cfg: DataConfig) -> Splits:
-    from jamp.data import tfds_sources
+    from jamp.train.data import tfds_sources
 
     data_dir = resolve_data_dir(cfg.data_dir)
     builder, sources = tfds_sources.open_splits(name, ["train", eval_split], data_dir, cfg.download)
@@ -26,7 +26,7 @@ def _tfds_images(name: str, eval_split: str, cfg: DataConfig) -> Splits:
 
 
 def _image_splits(builder, train, eval_) -> Splits:
-    from jamp.data.tfds_sources import ImageExamples
+    from jamp.train.data.tfds_sources import ImageExamples
 
     features = builder.info.features
     info = DatasetInfo(
@@ -40,13 +40,13 @@ def _image_splits(builder, train, eval_) -> Splits:
 
 
 def _pydoc(cfg: DataConfig) -> Splits:
-    from jamp.data import pydoc_topics  # defines the builder before tfds looks it up
+    from jamp.train.data import pydoc_topics  # defines the builder before tfds looks it up
 
     return _tfds_text(pydoc_topics.NAME, "test", cfg, needs_network=False)
 
 
 def _tfds_text(name: str, eval_split: str, cfg: DataConfig, needs_network: bool = True) -> Splits:
-    from jamp.data import tfds_sources
+    from jamp.train.data import tfds_sources
 
     data_dir = resolve_data_dir(cfg.data_dir)
     _, sources = tfds_sources.open_splits(
@@ -78,7 +78,7 @@ def _num_synthetic(cfg: DataConfig) -> tuple[int, int]:
 
 
 def _synthetic_images(cfg: DataConfig) -> Splits:
-    from jamp.data.synthetic import SyntheticImages
+    from jamp.train.data.synthetic import SyntheticImages
 
     n_train, n_eval = _num_synthetic(cfg)
     shape, classes = tuple(cfg.image_shape), cfg.num_classes
@@ -93,7 +93,7 @@ def _synthetic_images(cfg: DataConfig) -> Splits:
 
 
 def _synthetic_tokens(cfg: DataConfig) -> Splits:
-    from jamp.data.synthetic import SyntheticTokens
+    from jamp.train.data.synthetic import SyntheticTokens
 
     n_train, n_eval = _num_synthetic(cfg)
     if cfg.vocab_size < 1:

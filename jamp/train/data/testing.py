@@ -6,7 +6,7 @@ from unittest import mock
 
 @contextlib.contextmanager
 def mock_tfds(num_examples: int = 16):
-    """`tfds.testing.mock_data` (USE_CODE) for code that opens datasets through `jamp.data`.
+    """`tfds.testing.mock_data` (USE_CODE) for code that opens datasets through `jamp.train.data`.
 
     Inside, every tfds dataset looks absent but downloadable: tfds's download becomes a no-op
     and its data source yields `num_examples` random examples per split. The download-host check
@@ -14,7 +14,7 @@ def mock_tfds(num_examples: int = 16):
     """
     import tensorflow_datasets as tfds
 
-    from jamp.data import tfds_sources
+    from jamp.train.data import tfds_sources
 
     policy = tfds.testing.MockPolicy.USE_CODE
     with (

@@ -1,0 +1,5 @@
+"""``python -m jamp.train``: see jamp/train/cli.py."""
+
+from jamp.train.cli import run
+
+run()
