@@ -3,7 +3,9 @@
 The public API, all documented in the README:
 
 * policies: `get_policy`, `describe_policy`, `PRESETS`;
-* wrapping: `wrap`, `FP32_MODULES`, `UnsupportedProgramError`;
+* wrapping: `wrap` (linen and NNX modules), `autocast` (any JAX function), `FP32_MODULES`,
+  `UnsupportedProgramError`; NNX training through `jamp.make_train_step`: the `jamp.nnx`
+  module (`split`, `Functional`, `FP32_MODULES`);
 * loss scales: `NoOpLossScale`, `StaticLossScale`, `DynamicLossScale`, `loss_scale_for`,
   `all_finite`, `finite_by_group`, `select_tree`;
 * training: `TrainState`, `make_train_step`, `make_eval_step`;
@@ -18,7 +20,8 @@ The public API, all documented in the README:
   `describe`).
 """
 
-from jamp import fp8, hardware, parallel, sharding
+from jamp import fp8, hardware, nnx, parallel, sharding
+from jamp.autocast import autocast
 from jamp.jax_compat import UnsupportedProgramError
 from jamp.loss_scale import (
     DynamicLossScale,
@@ -46,6 +49,7 @@ __all__ = [
     "TrainState",
     "UnsupportedProgramError",
     "all_finite",
+    "autocast",
     "describe_policy",
     "finite_by_group",
     "fp8",
@@ -54,6 +58,7 @@ __all__ = [
     "loss_scale_for",
     "make_eval_step",
     "make_train_step",
+    "nnx",
     "parallel",
     "select_tree",
     "sharding",

@@ -1,6 +1,8 @@
 """Op-level autocast for JAX functions: rewrite a traced program so its matmuls use a compute dtype.
 
-`autocast(fn, compute_dtype)` traces `fn` to a jaxpr and evaluates it again, replacing every
+`autocast(fn, policy)` is the public form (`jamp.autocast`): any JAX function (a plain function,
+a Haiku or Equinox apply, an Equinox module) under a policy, with overrides by name-scope path.
+The engine beneath it, and beneath `jamp.wrap`, is `rewrite(fn, compute_dtype)`: it traces `fn` to a jaxpr and evaluates it again, replacing every
 `dot_general` and `conv_general_dilated` whose floating operands are not already in the compute
 dtype by its mixed-precision form (`jamp.mixed_ops`). With `activations="float32"` every other
 operation runs exactly as traced, so reductions, softmax, normalization and the loss keep their
@@ -25,7 +27,7 @@ Flax module calls leave on each equation to give submodules policies of their ow
 
 Example::
 
-  loss = autocast(lambda w, x: jnp.tanh(x @ w).sum(), jnp.bfloat16)(w, x)
+  loss = rewrite(lambda w, x: jnp.tanh(x @ w).sum(), jnp.bfloat16)(w, x)
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import fnmatch
+import functools
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -42,7 +46,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from jamp import activations as act
-from jamp import fp8, jax_compat, mixed_ops
+from jamp import fp8, jax_compat, mixed_ops, precision
 
 ComputeFor = Callable[[jcore.JaxprEqn, Optional[np.dtype]], Optional[np.dtype]]
 #: `(key_path, shape) -> (sharding, gathered) or None`: where a leaf of a weak argument (a
@@ -605,7 +609,7 @@ def _is_traceable(leaf) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
 
-def autocast(
+def rewrite(
     fn: Callable,
     compute_dtype,
     compute_for: ComputeFor = _inherit,
@@ -696,3 +700,129 @@ def autocast(
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     return wrapped
+
+
+#: A name scope named like a normalization layer ("eqx.nn.LayerNorm", "rms_norm",
+#: "vmap(BatchNorm)": letters only, any case) runs in float32 unless an override matches first.
+NORM_SCOPE_SUFFIXES = ("batchnorm", "layernorm", "groupnorm", "rmsnorm", "instancenorm")
+_NORM_SCOPES = object()  # the override key of that rule
+
+
+def _scope_matches(key, parts) -> bool:
+    if key is _NORM_SCOPES:
+        letters = "".join(c for c in parts[-1].lower() if c.isalpha())
+        return letters.endswith(NORM_SCOPE_SUFFIXES)
+    return fnmatch.fnmatchcase("/".join(parts), key)
+
+
+def _scope_rules(pairs) -> ComputeFor:
+    """`compute_for` from (name-scope pattern, policy) pairs: an equation runs under the first
+    pair that matches its innermost scope path, or an enclosing one (the longest path is tried
+    first); otherwise it inherits its enclosing equation's choice."""
+    chosen: dict[str, Any] = {}
+
+    def choose(eqn, inherited):
+        stack = str(eqn.source_info.name_stack)
+        if stack not in chosen:
+            parts = stack.split("/") if stack else []
+            chosen[stack] = next(
+                (
+                    precision.autocast_dtype(policy)
+                    for n in range(len(parts), 0, -1)
+                    for key, policy in pairs
+                    if _scope_matches(key, parts[:n])
+                ),
+                _INHERIT,
+            )
+        dtype = chosen[stack]
+        return inherited if dtype is _INHERIT else dtype
+
+    return choose
+
+
+_INHERIT = object()
+
+
+def _array_leaves(tree) -> bool:
+    leaves = jax.tree.leaves(tree)
+    return not (len(leaves) == 1 and leaves[0] is tree) and any(map(_is_traceable, leaves))
+
+
+def autocast(
+    fn: Callable,
+    policy,
+    *,
+    overrides=None,
+    activations: str = "auto",
+    params_argnums: Sequence[int] = (),
+) -> Callable:
+    """Return `fn`, any JAX function, running under a precision policy.
+
+    Every matmul and convolution in the traced program, forward and backward, takes its operands
+    in the policy's compute dtype and accumulates in float32; gradients reach float32 inputs in
+    float32; sums, exponentials, normalization statistics and the other fragile operations stay
+    float32 (`jamp.activations`); the function's float outputs are cast to the policy's output
+    dtype. This reaches what no `dtype=` argument controls: matmuls inside `jit`, `scan`, `cond`,
+    `while_loop`, `remat` and `shard_map`, and layers that hard-code their dtype. Under the
+    float32 policy a float32 function runs exactly as written.
+
+    Args:
+      fn: a function of arrays and pytrees of arrays (other leaves are passed through as static
+        values); or a callable pytree with array leaves, such as an Equinox module, whose leaves
+        are then the parameters (as if passed at a `params_argnums` position).
+      policy: a `jmp.Policy` or any spec `jamp.get_policy` accepts, e.g. "mixed_bfloat16".
+      overrides: maps name-scope path patterns to policies: an operation whose `jax.named_scope`
+        path (e.g. "decoder/head/dense"), or an enclosing part of it ("decoder/head"), matches a
+        pattern (fnmatch, e.g. "*/head") runs under that pattern's policy; the first pattern in
+        the mapping wins, the innermost scope before the outer ones. Where `fn` sets no name
+        scopes there is nothing to match. After these, a scope named like a normalization layer
+        (`NORM_SCOPE_SUFFIXES`: Equinox's "eqx.nn.LayerNorm", "rms_norm", ...) runs in float32.
+      activations: where the float32 values between matmuls live under a 16-bit compute dtype:
+        "float32" (as traced), "compute" (16-bit where `jamp.activations` allows) or "auto"
+        (float32 on CPUs, compute elsewhere).
+      params_argnums: the positional arguments that hold parameters: fp8 policies take a matmul
+        with exactly one operand made of them alone as a layer's (fp8; without parameters no
+        matmul is fp8), and with 16-bit activations they take the dtype of the activations they
+        meet instead of promoting them.
+
+    Returns:
+      A function with `fn`'s signature.
+
+    Example::
+
+      loss = jamp.autocast(lambda w, x: jnp.tanh(x @ w).sum(), "mixed_bfloat16")(w, x)
+    """
+    policy = precision.get_policy(policy)
+    pairs = []
+    for pattern, p in (overrides or {}).items():
+        if not isinstance(pattern, str):
+            raise TypeError(
+                f"jamp.autocast override key {pattern!r}: expected a name-scope path pattern "
+                '(a string such as "*/head"); module classes are keys of jamp.wrap.'
+            )
+        pairs.append((pattern, precision.get_policy(p)))
+    pairs.append((_NORM_SCOPES, precision.get_policy("float32")))
+    argnums = tuple(params_argnums)
+    if any(not isinstance(i, int) or i < 0 for i in argnums):
+        raise ValueError(f"params_argnums must be non-negative ints, got {params_argnums!r}.")
+    if not callable(fn):
+        raise TypeError(f"jamp.autocast expects a callable, got {type(fn).__name__}.")
+    act.resolve(activations)  # a bad value fails here, with the accepted ones
+    engine = functools.partial(rewrite, compute_for=_scope_rules(pairs))
+    options = dict(activations=activations, reduce_dtype=precision.reduce_dtype(policy))
+    compute = precision.autocast_dtype(policy)
+
+    def run(*args, **kwargs):
+        if _array_leaves(fn):  # a callable pytree (an Equinox module): its leaves are parameters
+            call = engine(
+                lambda module, *a, **kw: module(*a, **kw),
+                compute,
+                weak_argnums=(0,) + tuple(i + 1 for i in argnums),
+                **options,
+            )
+            out = call(fn, *args, **kwargs)
+        else:
+            out = engine(fn, compute, weak_argnums=argnums, **options)(*args, **kwargs)
+        return policy.cast_to_output(out)
+
+    return functools.update_wrapper(run, fn, updated=())  # not an Equinox module's fields

@@ -44,7 +44,8 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jamp import autocast, hlo, placement
+from jamp import hlo, placement
+from jamp.autocast import placing
 from jamp.placement import AXES, Rules, path_keys
 from jamp.placement import describe as describe  # re-exported: the public surface is here
 from jamp.placement import rules_from_metadata as rules_from_metadata
@@ -230,7 +231,7 @@ def _placing_params(fn, state_sharding):
     gradients reduced in the policy's reduce dtype (see `jamp.wrap`)."""
 
     def placed(state, *args):
-        with autocast.placing(_ParamPlacement(state.params, state_sharding.params)):
+        with placing(_ParamPlacement(state.params, state_sharding.params)):
             return fn(state, *args)
 
     return placed

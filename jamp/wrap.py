@@ -34,72 +34,27 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import fnmatch
 import functools
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional
 
 import flax.linen as nn
-import jax
 import jmp
 from flax.core import DenyList
 
 from jamp import activations as activations_lib
-from jamp import autocast as autocast_lib
+from jamp import nnx as nnx_lib
+from jamp import overrides as overrides_lib
 from jamp import precision
-from jamp.precision import get_policy, reduce_dtype
+from jamp.autocast import rewrite
+from jamp.precision import reduce_dtype
 
-PolicyLike = Union[str, jmp.Policy]
-OverrideKey = Union[type, str]
+PolicyLike = overrides_lib.PolicyLike
+OverrideKey = overrides_lib.OverrideKey
 
 #: Module classes that run in float32 unless `overrides` says otherwise: their statistics and
 #: rescaling are where 16-bit arithmetic loses accuracy first.
 FP32_MODULES: tuple[type, ...] = (nn.BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
-
-#: Normalization layers of other libraries are their own classes (flaxmodels' BatchNorm, Hugging
-#: Face's FlaxT5LayerNorm and FlaxLlamaRMSNorm, ...): a class whose name, or a base class's, ends
-#: in one of these (any case) runs in float32 too.
-FP32_MODULE_NAME_SUFFIXES: tuple[str, ...] = (
-    "BatchNorm",
-    "LayerNorm",
-    "GroupNorm",
-    "RMSNorm",
-    "InstanceNorm",
-)
-
-_TAG = "jamp_policy_"
-
-
-def _policy_tag(index: int) -> str:
-    return f"{_TAG}{index}_"
-
-
-def _tag_index(name_stack: str) -> Optional[int]:
-    """The index of the innermost policy tag on a name stack, if any."""
-    at = name_stack.rfind(_TAG)
-    if at < 0:
-        return None
-    digits = name_stack[at + len(_TAG) :].split("_", 1)[0]
-    return int(digits)
-
-
-@dataclasses.dataclass(frozen=True)
-class _NamedLike:
-    """An override key matching module classes by the ending of their (or a base's) name."""
-
-    suffixes: tuple[str, ...]
-
-    def matches(self, module: nn.Module) -> bool:
-        ends = tuple(s.lower() for s in self.suffixes)
-        return any(cls.__name__.lower().endswith(ends) for cls in type(module).__mro__)
-
-
-def _matches(key, module: nn.Module, path: tuple[str, ...]) -> bool:
-    if isinstance(key, type):
-        return isinstance(module, key)
-    if isinstance(key, _NamedLike):
-        return key.matches(module)
-    return fnmatch.fnmatchcase("/".join(path), key)
+FP32_MODULE_NAME_SUFFIXES = overrides_lib.FP32_MODULE_NAME_SUFFIXES
 
 
 class _Paths:
@@ -140,25 +95,6 @@ class _Paths:
             self._calls.pop()
 
 
-@contextlib.contextmanager
-def _computing_in(module: nn.Module, dtype):
-    """Make a layer with a `dtype` attribute compute in `dtype` for the duration of one call.
-
-    Casting a layer's inputs is not enough: Flax layers cast to their own `dtype` attribute (a
-    LayerNorm built with `dtype=jnp.bfloat16` normalizes in bf16 whatever it is given). The bound
-    module is a per-call clone, so setting the attribute for the call changes nothing outside it.
-    """
-    if "dtype" not in {f.name for f in dataclasses.fields(module)}:
-        yield
-        return
-    saved = module.dtype
-    object.__setattr__(module, "dtype", dtype)  # linen modules are frozen dataclasses
-    try:
-        yield
-    finally:
-        object.__setattr__(module, "dtype", saved)
-
-
 class Wrapped(nn.Module):
     """A linen module that runs `module` under `policy`; build it with `jamp.wrap`."""
 
@@ -171,34 +107,18 @@ class Wrapped(nn.Module):
     # interceptor would intercept itself.
 
     @nn.nowrap
-    def _override_for(self, module: nn.Module, path: tuple[str, ...]) -> Optional[int]:
-        for index, (key, _) in enumerate(self.overrides):
-            if _matches(key, module, path):
-                return index
-        return None
-
-    @nn.nowrap
     def _interceptor(self, paths: _Paths, next_fun, args, kwargs, context):
         """Mark calls of overridden submodules so that their equations get the override's dtype."""
         if context.method_name == "setup" or context.module.scope is None:
             return next_fun(*args, **kwargs)
         path = paths.of(context.module)
-        index = self._override_for(context.module, path)
+        index = overrides_lib.first_match(self.overrides, context.module, path)
         with paths.calling(path):
             if index is None:
                 return next_fun(*args, **kwargs)
             policy = self.overrides[index][1]
-            with (
-                jax.named_scope(_policy_tag(index)),
-                _computing_in(context.module, policy.compute_dtype),
-            ):
-                args, kwargs = policy.cast_to_compute((args, kwargs))
-                return policy.cast_to_output(next_fun(*args, **kwargs))
-
-    @nn.nowrap
-    def _compute_for(self, eqn, inherited):
-        index = _tag_index(str(eqn.source_info.name_stack))
-        return inherited if index is None else precision.autocast_dtype(self.overrides[index][1])
+            with overrides_lib.running_under(index, policy, context.module, args, kwargs) as cast:
+                return policy.cast_to_output(next_fun(*cast[0], **cast[1]))
 
     @nn.nowrap
     def _run(self, fn, *args, **kwargs):
@@ -209,10 +129,10 @@ class Wrapped(nn.Module):
 
         # The first argument is `variables` (or init's rngs): weak, so that `x @ w + b` keeps
         # a 16-bit activation 16-bit when activations are carried in the compute dtype.
-        return autocast_lib.autocast(
+        return rewrite(
             traced,
             precision.autocast_dtype(self.policy),
-            self._compute_for,
+            overrides_lib.compute_for(self.overrides),
             activations=self.activations,
             weak_argnums=(0,),
             reduce_dtype=reduce_dtype(self.policy),
@@ -310,10 +230,12 @@ def wrap(
     """Return `module` running under a precision policy, without editing the module.
 
     Args:
-      module: any unbound `flax.linen.Module`.
+      module: any unbound `flax.linen.Module`, or any `flax.nnx.Module` (see `jamp.nnx`: the
+        result is a copy of it, used like it, whose calls run under the policy).
       policy: a `jmp.Policy` or any spec `jamp.get_policy` accepts, e.g. "mixed_bfloat16".
       overrides: maps module classes (matched with isinstance) or path patterns (fnmatch against
-        the submodule path, e.g. "Decoder_0/head*") to the policy that submodules they match run
+        the submodule path, e.g. "Decoder_0/head*"; for NNX the attribute path, e.g.
+        "blocks/0/attn") to the policy that submodules they match run
         under. The first match in this mapping wins; the classes in `FP32_MODULES`, and classes
         whose names end in one of `FP32_MODULE_NAME_SUFFIXES` (other libraries' normalization
         layers), run in float32 unless a key here matches them first. Paths are as the user names
@@ -325,24 +247,22 @@ def wrap(
         and the loss stay float32 either way.
 
     Returns:
-      A `Wrapped` linen module with `module`'s `init` / `init_with_output` / `apply` signatures.
+      For linen, a `Wrapped` module with `module`'s `init` / `init_with_output` / `apply`
+      signatures; for NNX, a copy of `module` with the same state, of a subclass of its class.
 
     Example::
 
       model = jamp.wrap(Transformer(cfg), "mixed_bfloat16", {"*/lm_head": "float32"})
     """
+    if nnx_lib.is_module(module):
+        return nnx_lib.wrap(module, policy, overrides, activations=activations)
     if isinstance(module, Wrapped):
         raise ValueError("module is already wrapped; wrap the original module once.")
     if not isinstance(module, nn.Module):
-        raise TypeError(f"wrap() expects a flax.linen.Module, got {type(module).__name__}.")
-    pairs: list[tuple[OverrideKey, Any]] = [
-        (key, get_policy(p)) for key, p in (overrides or {}).items()
-    ]
-    fp32 = get_policy("float32")
-    policy = get_policy(policy)
-    if precision.is_fp8(policy):  # an embedding's matmuls (a tied head's `attend`) stay 16-bit
-        pairs.append((nn.Embed, precision.without_fp8(policy)))
-    pairs += [(cls, fp32) for cls in FP32_MODULES]
-    pairs.append((_NamedLike(FP32_MODULE_NAME_SUFFIXES), fp32))
+        raise TypeError(
+            f"wrap() expects a flax.linen.Module or a flax.nnx.Module, got "
+            f"{type(module).__name__}; for any other JAX function use jamp.autocast."
+        )
+    policy, pairs = overrides_lib.resolve(policy, overrides, FP32_MODULES, (nn.Embed,))
     activations_lib.resolve(activations)  # reject a bad value here, with the accepted ones
-    return Wrapped(module=module, policy=policy, overrides=tuple(pairs), activations=activations)
+    return Wrapped(module=module, policy=policy, overrides=pairs, activations=activations)

@@ -12,7 +12,7 @@ from jax.extend import core as jcore
 from test_wrap import MODELS, _loss_and_grad_jaxpr, _matmul_operand_dtypes
 
 from jamp import activations
-from jamp.autocast import autocast
+from jamp.autocast import rewrite as autocast
 from jamp.wrap import wrap
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)

@@ -19,6 +19,7 @@ PUBLIC = {
     "TrainState",
     "UnsupportedProgramError",
     "all_finite",
+    "autocast",
     "describe_policy",
     "finite_by_group",
     "get_policy",
@@ -27,6 +28,7 @@ PUBLIC = {
     "loss_scale_for",
     "make_eval_step",
     "make_train_step",
+    "nnx",
     "parallel",
     "select_tree",
     "sharding",
@@ -44,6 +46,8 @@ RANK = {
     "hardware": -1,  # below precision and mixed_ops, which ask it what the device runs
     "loss_scale": 1,
     "autocast": 1,
+    "overrides": 0.8,  # above precision, whose policies override keys map to
+    "nnx": 1.5,  # above autocast and overrides, below wrap, which hands NNX modules to it
     "wrap": 2,
     "state": 2,
     "step": 3,

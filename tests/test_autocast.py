@@ -9,7 +9,7 @@ from jax.extend import core as jcore
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jamp.autocast import autocast
+from jamp.autocast import rewrite as autocast
 from jamp.jax_compat import UnsupportedProgramError
 from jamp.wrap import wrap
 

@@ -1,0 +1,275 @@
+"""Run a Flax NNX module, unmodified, under a precision policy, and train it with jamp's step.
+
+`jamp.wrap(module, policy)` on an `nnx.Module` returns a copy of it (the same variables, in
+the same places: a checkpoint of one restores into the other) whose class is a subclass of the
+module's that runs every call under the policy: `model(x)` and the model's own public methods
+(`model.encode(x)`) take the path of `jamp.autocast` (every matmul and convolution, forward and
+backward, in the compute dtype with float32 accumulation and float32 gradients; the fragile
+operations in float32). It is used like the module: called directly or under `nnx.jit`,
+`nnx.grad`, `nnx.value_and_grad`, with `nnx.Optimizer`, `nnx.split` / `nnx.merge`, dropout
+drawing from its `nnx.Rngs`, `train()` / `eval()`. Its params stay float32 `nnx.Param`s, and
+`BatchNorm`, `LayerNorm`, `GroupNorm`, `RMSNorm`, `InstanceNorm` (and any class named like one)
+run in float32 with float32 statistics; overrides match NNX module classes and attribute paths
+("blocks/0/attn", "*/head").
+
+How a call runs: the module is split into its graph and state, merged again inside a trace that
+`jamp.autocast`'s interpreter rewrites, and the variables the call changed (batch statistics,
+RNG counts) are written back to the module. Overridden submodules of the merged copy get a class
+that marks their calls on the traced program (`jamp.overrides`).
+
+`split(model)` is the functional side, for `jamp.make_train_step` (and so `jamp.parallel`'s
+pmap and `jamp.sharding`'s sharded step): params and model state as pytrees for a
+`jamp.TrainState`, and a loss function built from `loss(model, batch)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import types
+import zlib
+from typing import Any, Callable, Mapping, Optional
+
+import jax
+import jmp
+from flax import nnx
+
+from jamp import activations as activations_lib
+from jamp import overrides as overrides_lib
+from jamp import precision
+from jamp.autocast import rewrite
+
+#: NNX module classes that run in float32 unless `overrides` says otherwise.
+FP32_MODULES: tuple[type, ...] = (
+    nnx.BatchNorm,
+    nnx.LayerNorm,
+    nnx.GroupNorm,
+    nnx.RMSNorm,
+    nnx.InstanceNorm,
+)
+
+
+def is_module(value) -> bool:
+    return isinstance(value, nnx.Module)
+
+
+def _nodes(root, kind):
+    """`(path, node)` for every node of `kind` in `root`'s graph (each shared node once)."""
+    return [(path, node) for path, node in nnx.iter_graph(root) if isinstance(node, kind)]
+
+
+def _variables(root) -> dict[tuple, nnx.Variable]:
+    return dict(_nodes(root, nnx.Variable))
+
+
+def _own_methods(cls) -> dict[str, Callable]:
+    """The methods a user's module classes define (`__call__` and public ones), nearest first;
+    not those of `nnx.Module` itself (`train`, `eval`, `sow`, ...)."""
+    found: dict[str, Callable] = {}
+    for klass in cls.__mro__:
+        if not issubclass(klass, nnx.Module) or klass.__module__.startswith("flax.nnx.module"):
+            continue
+        if klass.__module__.startswith("flax.nnx.pytreelib"):
+            continue
+        for name, attr in vars(klass).items():
+            if name == "__call__" or (not name.startswith("_") and inspect.isfunction(attr)):
+                found.setdefault(name, attr)
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def _tagged_class(cls: type, index: int, policy: jmp.Policy) -> type:
+    """`cls` whose methods run as override `index` (policy `policy`) of the traced program."""
+
+    def tagged(fn):
+        @functools.wraps(fn)
+        def method(self, *args, **kwargs):
+            with overrides_lib.running_under(index, policy, self, args, kwargs) as (a, kw):
+                return policy.cast_to_output(fn(self, *a, **kw))
+
+        return method
+
+    body = {name: tagged(fn) for name, fn in _own_methods(cls).items()}
+    body["__module__"] = cls.__module__
+    body["__qualname__"] = cls.__qualname__
+    return types.new_class(cls.__name__, (cls,), {}, lambda ns: ns.update(body))
+
+
+def _tag_overridden(root, pairs) -> None:
+    """Give each overridden submodule of a merged copy its marking class."""
+    for path, module in _nodes(root, nnx.Module):
+        index = overrides_lib.first_match(pairs, module, path)
+        if index is not None and path:  # the root's policy is the wrapper's own
+            module.__class__ = _tagged_class(type(module), index, pairs[index][1])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """What a wrapped class runs under (a class attribute: part of the graph's static type)."""
+
+    policy: jmp.Policy
+    overrides: tuple
+    activations: str
+    original: type
+
+
+def _run(module, setup: _Setup, name: str, args, kwargs):
+    """`module.<name>(*args, **kwargs)` of the original class, under the policy."""
+    graphdef, state = nnx.split(module)
+    changed: list[tuple] = []
+
+    def traced(state, args, kwargs):
+        copy = nnx.merge(graphdef, state)
+        _tag_overridden(copy, setup.overrides)
+        before = {path: v.get_value() for path, v in _variables(copy).items()}
+        out = getattr(super(type(copy), copy), name)(*args, **kwargs)
+        after = {path: v.get_value() for path, v in _variables(copy).items()}
+        new = [path for path in after if path not in before]
+        if new:
+            raise ValueError(
+                f"{setup.original.__name__}.{name} created variables during the call "
+                f"({', '.join('/'.join(map(str, p)) for p in new[:3])}); a jamp-wrapped NNX "
+                "module must create its variables before it is wrapped."
+            )
+        changed[:] = [path for path in after if after[path] is not before[path]]
+        return out, [after[path] for path in changed]
+
+    out, values = rewrite(
+        traced,
+        precision.autocast_dtype(setup.policy),
+        overrides_lib.compute_for(setup.overrides),
+        activations=setup.activations,
+        weak_argnums=(0,),  # the module's variables: see `jamp.activations` on weak values
+        reduce_dtype=precision.reduce_dtype(setup.policy),
+    )(state, args, kwargs)
+    variables = _variables(module)
+    for path, value in zip(changed, values):  # batch statistics, RNG counts, caches
+        variables[path].set_value(value)
+    return setup.policy.cast_to_output(out)
+
+
+def _under_policy(name: str):
+    def method(self, *args, **kwargs):
+        return _run(self, type(self)._jamp_setup, name, args, kwargs)
+
+    method.__name__ = name
+    return method
+
+
+@functools.lru_cache(maxsize=None)
+def _wrapped_class(cls: type, setup: _Setup) -> type:
+    body = {name: _under_policy(name) for name in _own_methods(cls)}
+    body["_jamp_setup"] = setup
+    body["__module__"] = cls.__module__
+    body["__qualname__"] = cls.__qualname__
+    body["__doc__"] = f"{cls.__name__} under the policy {precision.describe(setup.policy)}."
+    return types.new_class(cls.__name__, (cls,), {}, lambda ns: ns.update(body))
+
+
+def is_wrapped(module) -> bool:
+    return getattr(type(module), "_jamp_setup", None) is not None
+
+
+def wrap(
+    module: nnx.Module,
+    policy,
+    overrides: Optional[Mapping[Any, Any]] = None,
+    *,
+    activations: str = "auto",
+) -> nnx.Module:
+    """An NNX module under a precision policy: see the module docstring and `jamp.wrap`.
+
+    Returns a copy of `module` (a shallow one: its arrays are shared, its variables are its own)
+    with the same state, whose class is a subclass of `module`'s; `module` is left as it was.
+    Float params are cast to the policy's param dtype.
+    """
+    if is_wrapped(module):
+        raise ValueError("module is already wrapped; wrap the original module once.")
+    policy, pairs = overrides_lib.resolve(policy, overrides, FP32_MODULES, (nnx.Embed,))
+    activations_lib.resolve(activations)  # reject a bad value here, with the accepted ones
+    setup = _Setup(policy, pairs, activations, type(module))
+    copy = nnx.clone(module)
+    for _, param in _nodes(copy, nnx.Param):
+        value = param.get_value()
+        if hasattr(value, "dtype") and jax.numpy.issubdtype(value.dtype, jax.numpy.floating):
+            param.set_value(value.astype(policy.param_dtype))
+    copy.__class__ = _wrapped_class(type(module), setup)
+    return copy
+
+
+# ----- the functional side: jamp.make_train_step's loss function for an NNX model
+
+#: The state `split` keeps in `model_state` (what the step averages, selects and checkpoints):
+#: everything but params and RNG streams, which the step reseeds from its own key.
+_MODEL_STATE = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))
+
+
+def _stream_names(rng_state) -> tuple[str, ...]:
+    names = {leaf.tag for leaf in jax.tree.leaves(rng_state, is_leaf=_is_key) if _is_key(leaf)}
+    return tuple(sorted(names))
+
+
+def _is_key(x) -> bool:
+    return isinstance(x, nnx.RngKey)  # an NNX state holds the variables themselves
+
+
+@dataclasses.dataclass(frozen=True)
+class Functional:
+    """An NNX model as `jamp.make_train_step` takes it; build it with `split`."""
+
+    graphdef: Any
+    rng_state: Any
+    streams: tuple[str, ...]
+
+    def merge(self, params, model_state) -> nnx.Module:
+        """The NNX model with these params and model state (e.g. a trained `TrainState`'s)."""
+        # Variables made anew in the caller's trace: NNX lets a trace mutate only the variables
+        # created in it (the loss updates batch statistics and reseeds the RNG streams).
+        states = jax.tree.map(lambda leaf: leaf, (params, self.rng_state, model_state))
+        return nnx.merge(self.graphdef, *states)
+
+    def _reseeded(self, params, model_state, rng) -> nnx.Module:
+        model = self.merge(params, model_state)
+        if self.streams:
+            keys = {s: jax.random.fold_in(rng, zlib.crc32(s.encode())) for s in self.streams}
+            nnx.reseed(model, **keys)
+        return model
+
+    def loss_fn(self, loss: Callable) -> Callable:
+        """jamp's `loss_fn(params, model_state, batch, rng)` from `loss(model, batch)`, which
+        returns the loss or `(loss, metrics)`; the model runs in training mode (`train()`),
+        with its RNG streams (dropout) seeded from the step's key."""
+
+        def loss_fn(params, model_state, batch, rng):
+            model = self._reseeded(params, model_state, rng)
+            model.train()
+            out = loss(model, batch)
+            value, metrics = out if isinstance(out, tuple) else (out, {})
+            return value, (nnx.state(model, _MODEL_STATE), dict(metrics))
+
+        return loss_fn
+
+    def eval_fn(self, metrics: Callable) -> Callable:
+        """jamp's `eval_fn(params, model_state, batch)` from `metrics(model, batch) -> dict`;
+        the model runs in evaluation mode (`eval()`)."""
+
+        def eval_fn(params, model_state, batch):
+            model = self.merge(params, model_state)
+            model.eval()
+            return metrics(model, batch)
+
+        return eval_fn
+
+
+def split(model: nnx.Module) -> tuple[Functional, Any, Any]:
+    """`(functional, params, model_state)` of an NNX model, for a `jamp.TrainState`.
+
+    `params` holds the `nnx.Param`s, `model_state` the other variables (batch statistics and
+    the like) except RNG streams, which `functional.loss_fn` reseeds from the step's key (so that
+    replicas draw different dropout masks and a resumed run draws the same ones).
+    """
+    if not is_module(model):
+        raise TypeError(f"jamp.nnx.split expects an nnx.Module, got {type(model).__name__}.")
+    graphdef, params, rng_state, model_state = nnx.split(model, nnx.Param, nnx.RngState, ...)
+    return Functional(graphdef, rng_state, _stream_names(rng_state)), params, model_state
