@@ -202,7 +202,7 @@ def wrap(
 
 #: The state `split` keeps in `model_state` (what the step averages, selects and checkpoints):
 #: everything but params and RNG streams, which the step reseeds from its own key.
-_MODEL_STATE = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))
+MODEL_STATE = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))
 
 
 def _stream_names(rng_state) -> tuple[str, ...]:
@@ -229,7 +229,8 @@ class Functional:
         states = jax.tree.map(lambda leaf: leaf, (params, self.rng_state, model_state))
         return nnx.merge(self.graphdef, *states)
 
-    def _reseeded(self, params, model_state, rng) -> nnx.Module:
+    def seeded(self, params, model_state, rng) -> nnx.Module:
+        """`merge`, with the model's RNG streams (dropout) seeded from `rng`."""
         model = self.merge(params, model_state)
         if self.streams:
             keys = {s: jax.random.fold_in(rng, zlib.crc32(s.encode())) for s in self.streams}
@@ -242,11 +243,11 @@ class Functional:
         with its RNG streams (dropout) seeded from the step's key."""
 
         def loss_fn(params, model_state, batch, rng):
-            model = self._reseeded(params, model_state, rng)
+            model = self.seeded(params, model_state, rng)
             model.train()
             out = loss(model, batch)
             value, metrics = out if isinstance(out, tuple) else (out, {})
-            return value, (nnx.state(model, _MODEL_STATE), dict(metrics))
+            return value, (nnx.state(model, MODEL_STATE), dict(metrics))
 
         return loss_fn
 

@@ -35,20 +35,21 @@ FP32_MODULE_NAME_SUFFIXES: tuple[str, ...] = (
     "InstanceNorm",
 )
 
-_TAG = "jamp_policy_"
+#: The prefix of the name scope that marks an overridden module's call (`jamp.inspect` reads it).
+TAG_PREFIX = "jamp_policy_"
 
 
 def tag(index: int) -> str:
     """The name scope that marks a call of the module matched by override `index`."""
-    return f"{_TAG}{index}_"
+    return f"{TAG_PREFIX}{index}_"
 
 
 def tag_index(name_stack: str) -> Optional[int]:
     """The index of the innermost policy tag on a name stack, if any."""
-    at = name_stack.rfind(_TAG)
+    at = name_stack.rfind(TAG_PREFIX)
     if at < 0:
         return None
-    digits = name_stack[at + len(_TAG) :].split("_", 1)[0]
+    digits = name_stack[at + len(TAG_PREFIX) :].split("_", 1)[0]
     return int(digits)
 
 

@@ -34,11 +34,9 @@ def recipe_state(data_dir, overrides=None, recipe: str = "default"):
     import pathlib
     import runpy
 
-    from jamp.models import get_model
-    from jamp.train import data as data_lib
+    from jamp.models import model_task
     from jamp.train import loop
     from jamp.train.optim import make_optimizer
-    from jamp.wrap import wrap
 
     path = pathlib.Path(__file__).resolve().parents[1] / "configs" / f"{recipe}.py"
     config = runpy.run_path(str(path))["get_config"]()
@@ -50,7 +48,6 @@ def recipe_state(data_dir, overrides=None, recipe: str = "default"):
             node = node[parent]
         node[leaf] = value
     run, data_cfg, optim_cfg, _ = loop.parse_config(config)
-    dataset = data_lib.get_dataset(data_cfg, 1)
-    model = wrap(get_model(run.model, dataset.info.num_classes, **run.model_config), run.policy)
+    dataset, model = loop.build_model(run, data_cfg, model_task(run.model))
     tx, _ = make_optimizer(optim_cfg)
     return loop.init_state(model, tx, run.loss_scale, dataset.info, run.seed, run.fp8)

@@ -61,6 +61,7 @@ RANK = {
     "optim": 4,
     "overflow_watch": 4,
     "tasks": 4,
+    "nnx_adapter": 4.5,  # above models, whose NNX model specs it builds
     "run_config": 5,
     "inspect": 5,  # library: see test_api_inspect_imports_no_training_program
     "run_log": 5.5,
@@ -69,7 +70,7 @@ RANK = {
 }
 # The training program's modules (jamp/train/): ranked like the library's, by their own name.
 PROGRAM = {"loop", "run_config", "run_log", "checkpoint", "metrics", "optim", "tasks"}
-PROGRAM |= {"overflow_watch", "data", "cli"}
+PROGRAM |= {"overflow_watch", "data", "cli", "nnx_adapter"}
 # Heavy or program-only dependencies, and the only modules allowed to import them.
 CONFINED = {
     "tensorflow": {"data"},

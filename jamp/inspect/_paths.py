@@ -36,10 +36,10 @@ from typing import Optional
 
 import flax.linen as nn
 
-from jamp.wrap import _TAG as wrap_tag
-from jamp.wrap import _tag_index
+from jamp.overrides import TAG_PREFIX as wrap_tag
+from jamp.overrides import tag_index as _tag_index
 
-#: The scope `jamp.wrap` puts around an overridden submodule's call (see `jamp.wrap._policy_tag`).
+#: The scope `jamp.wrap` puts around an overridden submodule's call (see `jamp.overrides.tag`).
 _TAG = re.compile(rf"^{re.escape(wrap_tag)}(\d+)_$")
 # What `jamp.wrap` calls the user's model from: `Wrapped.apply`, `Wrapped.init`, ...
 _WRAPPED = re.compile(r"^Wrapped\.\w+$")

@@ -1,14 +1,21 @@
-"""Plain Flax linen models used by the training program, tests and benchmarks.
+"""Plain Flax models (linen, and NNX in `nnx_models`) used by the training program, tests and
+benchmarks.
 
 They contain no precision code at all: the precision comes only from `jamp.wrap`.
 """
 
+import dataclasses
+import inspect
+from typing import Callable
+
+from jamp.models import nnx_models
 from jamp.models.cnn import SeedCNN
 from jamp.models.resnet import ResNet, resnet18, resnet20
 from jamp.models.transformer import TransformerLM
 
 __all__ = [
     "MODELS",
+    "NnxModel",
     "ResNet",
     "SeedCNN",
     "TransformerLM",
@@ -27,12 +34,50 @@ def _transformer_lm(num_classes, **kwargs):
     return TransformerLM(vocab_size=num_classes, **kwargs)
 
 
+@dataclasses.dataclass(frozen=True)
+class NnxModel:
+    """An NNX model to build once its input shape is known (NNX layers take explicit sizes):
+    `build(input_shape, rngs)`; `input_shape` is one example's (e.g. (H, W, C) or (L,))."""
+
+    name: str
+    build: Callable
+
+
+def _nnx(name, cls, size_kw=None):
+    def builder(num_classes, **kwargs):
+        try:  # a keyword the model does not take fails here, as a linen model's does
+            if isinstance(cls, type):  # (an NNX class's own signature is its metaclass's)
+                inspect.signature(cls.__init__).bind_partial(None, num_classes, **kwargs)
+            else:
+                inspect.signature(cls).bind_partial(num_classes, **kwargs)
+        except TypeError as e:
+            raise TypeError(str(e)) from None
+
+        def build(input_shape, rngs):
+            sizes = {size_kw: tuple(input_shape)} if size_kw else {}
+            return cls(num_classes, **sizes, **kwargs, rngs=rngs)
+
+        return NnxModel(name, build)
+
+    return builder
+
+
+def _resnet20_nnx_cls(num_classes, num_filters=16, *, image_shape=(32, 32, 3), rngs=None):
+    return nnx_models.ResNet(
+        (3, 3, 3), num_filters, num_classes, in_channels=image_shape[-1], rngs=rngs
+    )
+
+
 # name -> (builder(num_classes, **model_config), task it fits)
 _REGISTRY = {
     "seed_cnn": (_seed_cnn, "classification"),
     "resnet20": (resnet20, "classification"),
     "resnet18": (resnet18, "classification"),
     "transformer_lm": (_transformer_lm, "lm"),
+    # The same architectures in Flax NNX (jamp.models.nnx_models), wrapped by jamp.wrap's NNX path.
+    "seed_cnn_nnx": (_nnx("seed_cnn_nnx", nnx_models.SeedCNN, "image_shape"), "classification"),
+    "resnet20_nnx": (_nnx("resnet20_nnx", _resnet20_nnx_cls, "image_shape"), "classification"),
+    "transformer_lm_nnx": (_nnx("transformer_lm_nnx", nnx_models.TransformerLM), "lm"),
 }
 MODELS = tuple(_REGISTRY)
 

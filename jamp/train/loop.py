@@ -21,7 +21,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jamp import fp8, parallel, sharding
-from jamp.models import get_model
+from jamp.models import NnxModel, get_model
 from jamp.precision import describe, reduce_dtype
 from jamp.state import TrainState
 from jamp.step import make_eval_step, make_train_step
@@ -29,6 +29,7 @@ from jamp.train import data as data_lib
 from jamp.train import run_log, tasks
 from jamp.train.checkpoint import Checkpointer
 from jamp.train.metrics import MetricWriter, mean_metrics, peak_memory_mib, summary_table
+from jamp.train.nnx_adapter import LinenView
 from jamp.train.optim import make_optimizer
 from jamp.train.overflow_watch import (  # noqa: F401 (TrainingDiverged is loop's API too)
     OverflowLog,
@@ -59,11 +60,11 @@ def build_model(run: RunConfig, data_cfg, task: str):
             f"{dataset.info.task} data"
         )
     try:
-        model = wrap(
-            get_model(run.model, dataset.info.num_classes, **run.model_config),
-            run.policy,
-            activations=run.activations,
-        )
+        model = get_model(run.model, dataset.info.num_classes, **run.model_config)
+        if isinstance(model, NnxModel):  # built by init, once the input shape is known
+            model = LinenView(model, run.policy, run.activations)
+        else:
+            model = wrap(model, run.policy, activations=run.activations)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return dataset, model

@@ -1,0 +1,67 @@
+"""An NNX model in the training program: jamp.wrap's NNX path behind linen's init / apply.
+
+The program (tasks, the fp8 state, checkpoints, the precision report) speaks linen's protocol:
+`variables = model.init(key, x, train=False)` and `model.apply(variables, x, train=...,
+rngs={"dropout": key}, mutable=["batch_stats"])`. `LinenView` gives an NNX model that protocol:
+`init` builds the model for the input's shape and wraps it under the policy; the variables are
+plain nested dicts (`{"params": ..., "batch_stats": ...}`), so the train state, its checkpoints
+and its sharding are those of any linen model; `apply` merges them into the wrapped NNX model,
+sets `train()` / `eval()`, seeds its RNG streams from the dropout key and calls it.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from jamp import nnx as jamp_nnx
+from jamp.models import NnxModel
+from jamp.wrap import wrap
+
+_STATS = "batch_stats"  # the collection name the program's tasks pass as `mutable`
+
+
+class LinenView:
+    """`spec` (a `jamp.models.NnxModel`) under `policy`, used through `init` / `apply`."""
+
+    def __init__(self, spec: NnxModel, policy, activations: str = "auto"):
+        self.spec, self.policy, self.activations = spec, policy, activations
+        self._built = None  # (functional, params treedef, model-state treedef)
+
+    def init(self, rng, x, train: bool = False) -> dict:
+        del train
+        rngs = nnx.Rngs(params=rng, dropout=jax.random.fold_in(rng, 1))
+        module = self.spec.build(tuple(x.shape[1:]), rngs)
+        model = wrap(module, self.policy, activations=self.activations)
+        functional, params, model_state = jamp_nnx.split(model)
+        self._built = (functional, jax.tree.structure(params), jax.tree.structure(model_state))
+        variables = {"params": nnx.to_pure_dict(params)}
+        if jax.tree.leaves(model_state):
+            variables[_STATS] = nnx.to_pure_dict(model_state)
+        for name, state in (("params", params), (_STATS, model_state)):
+            if name in variables:  # the pure dict flattens in the state's order
+                assert len(jax.tree.leaves(variables[name])) == len(jax.tree.leaves(state))
+        return variables
+
+    def _model(self, variables, train: bool, rngs):
+        if self._built is None:
+            raise RuntimeError(f"{self.spec.name}: call init() before apply()")
+        functional, params_def, state_def = self._built
+        params = jax.tree.unflatten(params_def, jax.tree.leaves(variables["params"]))
+        model_state = jax.tree.unflatten(state_def, jax.tree.leaves(variables.get(_STATS, {})))
+        if rngs and "dropout" in rngs:
+            model = functional.seeded(params, model_state, rngs["dropout"])
+        else:
+            model = functional.merge(params, model_state)
+        model.train() if train else model.eval()
+        return model
+
+    def apply(self, variables, x, train: bool = False, rngs=None, mutable=False):
+        model = self._model(variables, train, rngs)
+        out = model(x)
+        if not mutable:
+            return out
+        updated = {}
+        if _STATS in variables:
+            updated[_STATS] = nnx.to_pure_dict(nnx.state(model, jamp_nnx.MODEL_STATE))
+        return out, updated

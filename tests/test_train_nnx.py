@@ -1,0 +1,90 @@
+"""`python -m jamp.train` on Flax NNX models: the real CLI in subprocesses, offline."""
+
+from __future__ import annotations
+
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from subproc import recipe_state
+from test_train import ROOT, _cli, _records, _smoke
+
+from jamp.train.checkpoint import Checkpointer
+
+STEPS, EVERY = 12, 6
+FLAGS = [
+    f"--config.num_train_steps={STEPS}",
+    f"--config.checkpoint_every_steps={EVERY}",
+    "--config.max_checkpoints_to_keep=5",
+]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tfds")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_dir):
+    workdir = tmp_path_factory.mktemp("nnx") / "run"
+    return workdir, _smoke("digits_nnx", workdir, data_dir, *FLAGS)
+
+
+def test_train_nnx_recipe_trains_under_the_policy_flag(reference, tmp_path, data_dir):
+    workdir, out = reference
+    assert "compute=float16" in out.stdout  # the recipe's default, mixed_float16
+    assert "DynamicLossScale" in out.stdout
+    assert _records(workdir, "train")[-1]["loss"] > 0
+    assert 0 <= _records(workdir, "eval")[-1]["accuracy"] <= 1
+    bf16 = _smoke("digits_nnx", tmp_path / "bf16", data_dir, "--config.policy=mixed_bfloat16")
+    assert "compute=bfloat16" in bf16.stdout and "NoOpLossScale" in bf16.stdout
+
+
+def _restore(workdir, data_dir, step):
+    target = recipe_state(data_dir, recipe="digits_nnx")
+    with Checkpointer(workdir / "checkpoints") as ckpt:
+        return ckpt.restore(target, step)
+
+
+def test_train_nnx_resume_is_bit_identical(reference, tmp_path, data_dir):
+    workdir, _ = reference
+    resumed = tmp_path / "resumed"
+    shutil.copytree(workdir / "checkpoints", resumed / "checkpoints")
+    shutil.rmtree(resumed / "checkpoints" / str(STEPS))  # as if killed after step 6's save
+    out = _smoke("digits_nnx", resumed, data_dir, *FLAGS)
+    assert f"resuming from the checkpoint at step {EVERY}" in out.stdout
+    want, got = _restore(workdir, data_dir, STEPS), _restore(resumed, data_dir, STEPS)
+    assert set(want.params) == {"conv1", "conv2", "dense1", "dense2"}  # the NNX attributes
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+RESNET = {  # the NNX ResNet-20, 4 filters, on small synthetic images
+    "model": "resnet20_nnx",
+    "model_config.num_filters": 4,
+    "image_shape": (8, 8, 3),
+    "policy": "mixed_bfloat16",
+    "num_train_steps": 4,
+    "checkpoint_every_steps": 4,
+}
+
+
+def test_train_nnx_resnet_keeps_fp32_batch_statistics(tmp_path, data_dir):
+    recipe = tmp_path / "resnet_nnx.py"
+    lines = [f"    c.{k} = {v!r}" for k, v in RESNET.items()]
+    recipe.write_text(
+        "import runpy\n"
+        f"_synthetic = runpy.run_path({str(ROOT / 'configs' / 'synthetic.py')!r})\n"
+        "def get_config(variant=''):\n"
+        "    c = _synthetic['get_config']('smoke')\n" + "\n".join(lines) + "\n    return c\n"
+    )
+    workdir = tmp_path / "resnet"
+    _cli([f"--config={recipe}", f"--workdir={workdir}", f"--config.data_dir={data_dir}"])
+    target = recipe_state(data_dir, RESNET, recipe="synthetic")
+    with Checkpointer(workdir / "checkpoints") as ckpt:
+        state = ckpt.restore(target, 4)
+    stats = jax.tree.leaves(state.model_state)
+    assert stats and {np.asarray(a).dtype for a in stats} == {np.dtype(np.float32)}
+    fresh = jax.tree.leaves(target.model_state)
+    assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(stats, fresh))
