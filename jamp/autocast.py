@@ -131,15 +131,23 @@ def _has_matmul(jaxpr: jcore.Jaxpr) -> bool:
     return False
 
 
+def _choose(ctx: "_Ctx", eqn, inherited):
+    """The compute dtype of `eqn`; a choice that reads scope paths (`jamp.autocast`'s overrides)
+    also gets the name stack of the programs around this one, which the equation's own lacks."""
+    if getattr(ctx.compute_for, "reads_scope_prefix", False):
+        return ctx.compute_for(eqn, inherited, ctx.prefix)
+    return ctx.compute_for(eqn, inherited)
+
+
 def _changes(jaxpr: jcore.Jaxpr, compute_dtype, ctx: "_Ctx") -> bool:
     """Whether evaluating `jaxpr` under `compute_dtype` would run anything differently than traced."""
     for eqn in jaxpr.eqns:
-        dtype = ctx.compute_for(eqn, compute_dtype)
+        dtype = _choose(ctx, eqn, compute_dtype)
         if dtype is not None and ctx.lower and dtype.itemsize < 4:
             return True  # activations may be carried in 16 bits from here on
         if eqn.primitive in (_DOT, _CONV) and _needs_rewrite([v.aval for v in eqn.invars], dtype):
             return True
-        if any(_changes(sub, dtype, ctx) for sub in _sub_jaxprs(eqn)):
+        if any(_changes(sub, dtype, _within(ctx, eqn)) for sub in _sub_jaxprs(eqn)):
             return True
     return False
 
@@ -296,7 +304,7 @@ def _eval_shard_map(eqn, invals, compute_dtype, ctx: _Ctx):
     jaxpr = jax_compat.param(eqn, "jaxpr")
     if not _has_matmul(jaxpr):
         return _bind(eqn, invals, eqn.params)
-    ctx = _stateless(ctx)
+    ctx = _stateless(_within(ctx, eqn))
 
     def body(*xs):
         outs, _ = _eval(jaxpr, (), xs, compute_dtype, ctx, None)
@@ -375,8 +383,9 @@ def _eval_as_traced(eqn, invals, compute_dtype, ctx: _Ctx, weak=None, placed=Non
     _check_rewritable(eqn, compute_dtype, ctx)
     tracks_weak = ctx.lower or fp8.is_fp8(compute_dtype)  # fp8 tells weights by weakness
     body_weak = _body_weak(eqn, list(weak)) if tracks_weak and weak is not None else {}
+    inner = _within(ctx, eqn)  # the sub-programs' name stacks continue this equation's
     params = {
-        k: _rewrite_param(v, compute_dtype, ctx, body_weak.get(k)) for k, v in eqn.params.items()
+        k: _rewrite_param(v, compute_dtype, inner, body_weak.get(k)) for k, v in eqn.params.items()
     }
     return _bind(eqn, invals, params)
 
@@ -534,7 +543,7 @@ def _eval(
     for eqn in jaxpr.eqns:
         # Under fp8 the output head inherits the carrier dtype; an override still decides it.
         inherited = fp8.carrier(compute_dtype) if eqn is ctx.head else compute_dtype
-        eqn_dtype = ctx.compute_for(eqn, inherited)
+        eqn_dtype = _choose(ctx, eqn, inherited)
         # Keep the module path of each operation, for profiles and for anyone reading the program.
         where = None
         if place_env:
@@ -721,8 +730,8 @@ def _scope_rules(pairs) -> ComputeFor:
     first); otherwise it inherits its enclosing equation's choice."""
     chosen: dict[str, Any] = {}
 
-    def choose(eqn, inherited):
-        stack = str(eqn.source_info.name_stack)
+    def choose(eqn, inherited, prefix=""):
+        stack = "/".join(s for s in (prefix, str(eqn.source_info.name_stack)) if s)
         if stack not in chosen:
             parts = stack.split("/") if stack else []
             chosen[stack] = next(
@@ -737,6 +746,7 @@ def _scope_rules(pairs) -> ComputeFor:
         dtype = chosen[stack]
         return inherited if dtype is _INHERIT else dtype
 
+    choose.reads_scope_prefix = True
     return choose
 
 

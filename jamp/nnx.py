@@ -78,6 +78,24 @@ def _own_methods(cls) -> dict[str, Callable]:
     return found
 
 
+def _policy_methods(cls) -> dict[str, Callable]:
+    """The methods a wrapped model runs under the policy: `__call__`, and the public methods of
+    the user's own classes (`encode`, `generate`) except setters (`set_*`); not those of Flax's
+    layers (`set_view`, `set_mode`), which configure the module rather than compute."""
+    return {
+        name: fn
+        for name, fn in _own_methods(cls).items()
+        if name == "__call__"
+        or not (
+            name.startswith("set_") or _defining_class(cls, name).__module__.startswith("flax.")
+        )
+    }
+
+
+def _defining_class(cls, name):
+    return next(klass for klass in cls.__mro__ if name in vars(klass))
+
+
 @functools.lru_cache(maxsize=None)
 def _tagged_class(cls: type, index: int, policy: jmp.Policy) -> type:
     """`cls` whose methods run as override `index` (policy `policy`) of the traced program."""
@@ -114,39 +132,78 @@ class _Setup:
     original: type
 
 
+def _is_node(x) -> bool:
+    return nnx.graph.is_graph_node(x)
+
+
 def _run(module, setup: _Setup, name: str, args, kwargs):
     """`module.<name>(*args, **kwargs)` of the original class, under the policy."""
-    graphdef, state = nnx.split(module)
+    # NNX objects among the arguments (an `nnx.Rngs`, another module) travel with the module, so
+    # that what the call changes in them (RNG counts, statistics) is written back to them too.
+    arg_leaves, arg_def = jax.tree.flatten((args, kwargs), is_leaf=_is_node)
+    at = [i for i, leaf in enumerate(arg_leaves) if _is_node(leaf)]
+    nodes = (module, *(arg_leaves[i] for i in at))
+    graphdef, state = nnx.split(nodes)
+    data = [leaf for i, leaf in enumerate(arg_leaves) if i not in at]
     changed: list[tuple] = []
+    static: dict = {}  # the output's structure and its leaves that are not arrays
 
-    def traced(state, args, kwargs):
-        copy = nnx.merge(graphdef, state)
+    def traced(state, data):
+        copies = nnx.merge(graphdef, state)
+        copy, it = copies[0], iter(copies[1:])
+        values = iter(data)
+        leaves = [next(it) if i in at else next(values) for i in range(len(arg_leaves))]
+        call_args, call_kwargs = jax.tree.unflatten(arg_def, leaves)
         _tag_overridden(copy, setup.overrides)
-        before = {path: v.get_value() for path, v in _variables(copy).items()}
-        out = getattr(super(type(copy), copy), name)(*args, **kwargs)
-        after = {path: v.get_value() for path, v in _variables(copy).items()}
+        shape = nnx.graphdef(copy)
+        before = {path: v.get_value() for path, v in _variables(copies).items()}
+        method = getattr(super(type(copy), copy), name)
+        index = overrides_lib.first_match(setup.overrides, copy, ())
+        if index is None:
+            out = method(*call_args, **call_kwargs)
+        else:  # the model itself matches an override (a wrapped LayerNorm is a norm)
+            policy = setup.overrides[index][1]
+            with overrides_lib.running_under(index, policy, copy, call_args, call_kwargs) as cast:
+                out = policy.cast_to_output(method(*cast[0], **cast[1]))
+        after = {path: v.get_value() for path, v in _variables(copies).items()}
         new = [path for path in after if path not in before]
+        where = f"{setup.original.__name__}.{name}"
         if new:
             raise ValueError(
-                f"{setup.original.__name__}.{name} created variables during the call "
+                f"{where} created variables during the call "
                 f"({', '.join('/'.join(map(str, p)) for p in new[:3])}); a jamp-wrapped NNX "
-                "module must create its variables before it is wrapped."
+                "module must create its variables (caches, sown intermediates) before it is "
+                "wrapped."
+            )
+        if nnx.graphdef(copy) != shape:
+            raise ValueError(
+                f"{where} changed the module's attributes (not its variables) during the call, "
+                "which a jamp-wrapped NNX module cannot carry back; keep such state in an "
+                "nnx.Variable, or set it on the module before wrapping."
             )
         changed[:] = [path for path in after if after[path] is not before[path]]
-        return out, [after[path] for path in changed]
+        leaves, static["treedef"] = jax.tree.flatten(out)
+        static["leaves"] = {i: x for i, x in enumerate(leaves) if not isinstance(x, jax.Array)}
+        arrays = [x for i, x in enumerate(leaves) if i not in static["leaves"]]
+        return arrays, [after[path] for path in changed]
 
-    out, values = rewrite(
+    arrays, values = rewrite(
         traced,
         precision.autocast_dtype(setup.policy),
         overrides_lib.compute_for(setup.overrides),
         activations=setup.activations,
         weak_argnums=(0,),  # the module's variables: see `jamp.activations` on weak values
         reduce_dtype=precision.reduce_dtype(setup.policy),
-    )(state, args, kwargs)
-    variables = _variables(module)
+    )(state, data)
+    variables = _variables(nodes)
     for path, value in zip(changed, values):  # batch statistics, RNG counts, caches
         variables[path].set_value(value)
-    return setup.policy.cast_to_output(out)
+    it = iter(arrays)  # a method may also return Python values (a count, a config): as they were
+    leaves = [
+        static["leaves"][i] if i in static["leaves"] else next(it)
+        for i in range(static["treedef"].num_leaves)
+    ]
+    return setup.policy.cast_to_output(jax.tree.unflatten(static["treedef"], leaves))
 
 
 def _under_policy(name: str):
@@ -159,7 +216,7 @@ def _under_policy(name: str):
 
 @functools.lru_cache(maxsize=None)
 def _wrapped_class(cls: type, setup: _Setup) -> type:
-    body = {name: _under_policy(name) for name in _own_methods(cls)}
+    body = {name: _under_policy(name) for name in _policy_methods(cls)}
     body["_jamp_setup"] = setup
     body["__module__"] = cls.__module__
     body["__qualname__"] = cls.__qualname__

@@ -213,3 +213,33 @@ def test_autocast_equinox_grads_fp32_float32_bit_identical_and_norm_in_fp32():
 
     walk(jaxpr)
     assert rsqrt and set(rsqrt) == {F32}
+
+
+def test_autocast_path_overrides_reach_across_jit_and_scan():
+    @jax.jit
+    def inner(w, x):
+        with jax.named_scope("head"):
+            return x @ w
+
+    def with_jit(w, x):
+        with jax.named_scope("block"):
+            return inner(w, x)
+
+    def with_scan(w, x):
+        with jax.named_scope("block"):
+
+            def body(h, _):
+                with jax.named_scope("head"):
+                    return jnp.tanh(h @ w), None
+
+            return jax.lax.scan(body, x, None, length=2)[0]
+
+    w, x = jnp.ones((6, 6)) / 6, jnp.ones((2, 6))
+    for fn in (with_jit, with_scan):
+        for pattern in ("block/head", "*/head"):
+            mixed = jamp.autocast(fn, "mixed_bfloat16", overrides={pattern: "float32"})
+            found = _matmuls(jax.make_jaxpr(jax.grad(lambda w, f=mixed: jnp.sum(f(w, x))))(w).jaxpr)
+            assert found and {d for _, d, _ in found} == {(F32, F32)}, (fn.__name__, pattern)
+        mixed = jamp.autocast(fn, "mixed_bfloat16", overrides={"other/head": "float32"})
+        found = _matmuls(jax.make_jaxpr(mixed)(w, x).jaxpr)
+        assert {d for _, d, _ in found} == {(BF16, BF16)}

@@ -389,3 +389,75 @@ def test_nnx_train_step_under_pmap_and_sharded_agrees_with_one_device():
             other.params,
         )
         assert float(other.loss_scale.loss_scale) == float(one.loss_scale.loss_scale)
+
+
+class _Extras(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(3, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return {"y": self.dense(x), "count": 3, "name": "extras"}
+
+    def num_layers(self):
+        return 1
+
+
+def test_nnx_a_flax_layer_wrapped_directly_and_methods_returning_python_values():
+    x = jnp.ones((2, 3))
+    layer = jamp.wrap(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), "mixed_bfloat16")
+    found = _matmul_operand_dtypes(_grad_jaxpr(layer, x))
+    assert found and {d for _, d in found} == {(BF16, BF16)}
+    model = jamp.wrap(_Extras(nnx.Rngs(0)), "mixed_bfloat16")
+    out = model(x)
+    assert out["count"] == 3 and out["name"] == "extras" and out["y"].dtype == F32
+    assert model.num_layers() == 1 and isinstance(model.num_layers(), int)
+
+
+class _TakesRngs(nnx.Module):
+    def __init__(self):
+        self.dense = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+        self.drop = nnx.Dropout(0.5)
+
+    def __call__(self, x, other=None, *, rngs=None):
+        y = self.drop(self.dense(x), rngs=rngs)
+        return y if other is None else other(y)
+
+
+def test_nnx_rngs_and_modules_passed_as_arguments_keep_their_updates():
+    x = jnp.ones((2, 4))
+    model = jamp.wrap(_TakesRngs(), "mixed_bfloat16")
+    rngs = nnx.Rngs(dropout=1)
+    a, b = model(x, rngs=rngs), model(x, rngs=rngs)
+    assert int(rngs.dropout.count.get_value()) == 2 and not np.array_equal(a, b)
+    norm = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+    model(3 * x, norm, rngs=rngs)
+    assert float(jnp.abs(norm.mean.get_value()).sum()) > 0  # its statistics moved
+
+
+def test_nnx_a_wrapped_norm_itself_runs_in_fp32_and_root_overrides_apply():
+    x = jnp.ones((2, 4))
+    norm = jamp.wrap(nnx.LayerNorm(4, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), "mixed_bfloat16")
+    assert norm(x).dtype == F32
+    assert {np.dtype(v.aval.dtype) for e in _eqns(norm, x) for v in e.outvars} <= {F32}
+    layer = jamp.wrap(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), "mixed_bfloat16", {nnx.Linear: "float32"})
+    assert {d for _, d in _matmul_operand_dtypes(_grad_jaxpr(layer, x))} == {(F32, F32)}
+
+
+class _Counts(nnx.Module):
+    def __init__(self):
+        self.dense = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1  # plain Python state: lost in any trace, so refused with one line
+        return self.dense(x)
+
+
+def test_nnx_configuration_methods_act_and_attribute_changes_in_a_call_are_refused():
+    drop = jamp.wrap(nnx.Dropout(0.5, rngs=nnx.Rngs(0)), "mixed_bfloat16")
+    drop.eval()
+    assert drop.deterministic
+    x = jnp.ones((2, 4))
+    np.testing.assert_array_equal(drop(x), x)
+    with pytest.raises(ValueError, match="changed the module's attributes"):
+        jamp.wrap(_Counts(), "mixed_bfloat16")(x)

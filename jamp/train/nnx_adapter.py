@@ -34,19 +34,28 @@ class LinenView:
         module = self.spec.build(tuple(x.shape[1:]), rngs)
         model = wrap(module, self.policy, activations=self.activations)
         functional, params, model_state = jamp_nnx.split(model)
-        self._built = (functional, jax.tree.structure(params), jax.tree.structure(model_state))
         variables = {"params": nnx.to_pure_dict(params)}
         if jax.tree.leaves(model_state):
             variables[_STATS] = nnx.to_pure_dict(model_state)
-        for name, state in (("params", params), (_STATS, model_state)):
-            if name in variables:  # the pure dict flattens in the state's order
-                assert len(jax.tree.leaves(variables[name])) == len(jax.tree.leaves(state))
+        pure = {name: jax.tree.structure(tree) for name, tree in variables.items()}
+        self._built = (
+            functional,
+            jax.tree.structure(params),
+            jax.tree.structure(model_state),
+            pure,
+        )
         return variables
 
     def _model(self, variables, train: bool, rngs):
         if self._built is None:
             raise RuntimeError(f"{self.spec.name}: call init() before apply()")
-        functional, params_def, state_def = self._built
+        functional, params_def, state_def, pure = self._built
+        for name, structure in pure.items():  # the leaves are matched to variables by position
+            if jax.tree.structure(variables[name]) != structure:
+                raise ValueError(
+                    f"{self.spec.name}: the {name} given have another structure than init's "
+                    "(renamed or re-keyed entries, e.g. list indices as strings)"
+                )
         params = jax.tree.unflatten(params_def, jax.tree.leaves(variables["params"]))
         model_state = jax.tree.unflatten(state_def, jax.tree.leaves(variables.get(_STATS, {})))
         if rngs and "dropout" in rngs:
