@@ -64,3 +64,11 @@ def test_inspect_cli_bad_policy_is_one_line_and_exit_status_2(data_dir):
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "mixed_bfloat17" in lines[0]
     assert "Traceback" not in out.stderr and not out.stdout
+
+
+def test_inspect_cli_nnx_recipe_reports_precision_and_says_ranges_are_linen_only(data_dir):
+    out = _inspect("--config=configs/digits_nnx.py", f"--config.data_dir={data_dir}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "seed_cnn_nnx on digits" in out.stdout
+    assert "100.0% with 16-bit operands" in out.stdout
+    assert "measured for linen models only" in out.stdout

@@ -88,3 +88,11 @@ def test_train_nnx_resnet_keeps_fp32_batch_statistics(tmp_path, data_dir):
     assert stats and {np.asarray(a).dtype for a in stats} == {np.dtype(np.float32)}
     fresh = jax.tree.leaves(target.model_state)
     assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(stats, fresh))
+
+
+def test_train_nnx_trace_nonfinite_is_refused_with_one_line(tmp_path, data_dir):
+    out = _smoke(
+        "digits_nnx", tmp_path / "run", data_dir, "--config.trace_nonfinite=true", check=False
+    )
+    assert out.returncode == 2 and "NNX model" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

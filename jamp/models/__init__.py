@@ -20,6 +20,7 @@ __all__ = [
     "SeedCNN",
     "TransformerLM",
     "get_model",
+    "is_nnx",
     "model_task",
     "resnet18",
     "resnet20",
@@ -59,6 +60,7 @@ def _nnx(name, cls, size_kw=None):
 
         return NnxModel(name, build)
 
+    builder.nnx = True
     return builder
 
 
@@ -104,3 +106,9 @@ def model_task(name: str) -> str:
     if name not in _REGISTRY:
         raise ValueError(f"unknown model {name!r}; accepted: {', '.join(MODELS)}")
     return _REGISTRY[name][1]
+
+
+def is_nnx(name: str) -> bool:
+    """Whether the registered model `name` is a Flax NNX one (built as an `NnxModel`)."""
+    model_task(name)  # an unknown name fails with the accepted ones
+    return getattr(_REGISTRY[name][0], "nnx", False)

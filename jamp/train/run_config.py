@@ -23,7 +23,7 @@ import numpy as np
 from jamp import activations as activations_lib
 from jamp import fp8, hardware, precision, sharding
 from jamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
-from jamp.models import model_task
+from jamp.models import is_nnx, model_task
 from jamp.precision import get_policy
 from jamp.train import data as data_lib
 from jamp.train.optim import OptimConfig
@@ -207,6 +207,11 @@ def _trace_nonfinite(config) -> bool:
     value = config.get("trace_nonfinite", False)
     if not isinstance(value, bool):
         raise ConfigError(f"trace_nonfinite must be true or false, got {value!r}")
+    if value and is_nnx(config.model):
+        raise ConfigError(
+            f"trace_nonfinite re-runs the calls of linen modules; {config.model!r} is an NNX "
+            "model (the step's per-module gradient flags still name what overflowed)"
+        )
     if value and jax.process_count() > 1:
         # The re-run reads the whole batch on one process; the others hold only their slices.
         raise ConfigError(
