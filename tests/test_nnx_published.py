@@ -107,7 +107,7 @@ def test_published_nnx_same_variables_fp32_output_and_grads(name):
     grads = nnx.jit(nnx.grad(_loss))(model)
     leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
     assert {g.dtype for g in leaves} == {F32}
-    ref_g = nnx.grad(_loss)(module)
+    ref_g = nnx.jit(nnx.grad(_loss))(module)
     flat = [
         jnp.concatenate([g.ravel() for g in jax.tree.leaves(nnx.state(t, nnx.Param))])
         for t in (ref_g, grads)
