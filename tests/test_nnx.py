@@ -71,8 +71,11 @@ def _grad_jaxpr(model, x):
     return jax.make_jaxpr(f)(state).jaxpr
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("compute", [BF16, F16])
+# bf16 on every model; f16 on the two small ones (the rewrite is the same code for both).
+CASES = [(name, BF16) for name in NAMES] + [("seed_cnn", F16), ("hard_coded_f32", F16)]
+
+
+@pytest.mark.parametrize("name, compute", CASES)
 def test_nnx_every_matmul_takes_compute_dtype_operands_forward_and_backward(name, compute):
     module, x = _build(name)
     found = _matmul_operand_dtypes(_grad_jaxpr(jamp.wrap(module, f"p=f32,c={compute.name}"), x))
@@ -119,8 +122,14 @@ def test_nnx_outputs_in_output_dtype_and_grads_fp32_under_nnx_jit(name):
     leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
     assert {g.dtype for g in leaves} == {F32}
     assert all(np.isfinite(np.asarray(g)).all() for g in leaves)
-    assert model(x).dtype == F32
-    assert jamp.wrap(module, "p=f32,c=bf16,o=bf16")(x).dtype == BF16
+    assert _output(model, x).dtype == F32
+    assert _output(jamp.wrap(module, "p=f32,c=bf16,o=bf16"), x).dtype == BF16
+
+
+def _output(model, x):
+    """The shape and dtype of `model(x)`, traced only."""
+    graphdef, state = nnx.split(model)
+    return jax.eval_shape(lambda s: nnx.merge(graphdef, s)(x), state)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -129,8 +138,9 @@ def test_nnx_fp32_policy_is_bit_identical(name):
     module.eval()  # no dropout: the two calls must see the same function
     model = jamp.wrap(module, "float32")
     np.testing.assert_array_equal(module(x), model(x))
-    ref_loss, ref_g = nnx.value_and_grad(_loss)(module, x)
-    got_loss, got_g = nnx.value_and_grad(_loss)(model, x)
+    run = nnx.jit if name in ("resnet", "transformer") else (lambda f: f)  # eager is slow there
+    ref_loss, ref_g = run(nnx.value_and_grad(_loss))(module, x)
+    got_loss, got_g = run(nnx.value_and_grad(_loss))(model, x)
     np.testing.assert_array_equal(ref_loss, got_loss)
     jax.tree.map(_same, nnx.state(ref_g, nnx.Param), nnx.state(got_g, nnx.Param))
 

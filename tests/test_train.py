@@ -14,7 +14,9 @@ from subproc import cli_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Recipes on tfds datasets that need a download; the offline ones (default, lm_pydoc) have own tests.
-RECIPES = ["cifar10_cnn", "mnist", "fashion_mnist", "cifar10_resnet", "lm_tiny_shakespeare"]
+# fashion_mnist is mnist's recipe with another dataset of the same shape (tests/test_data.py
+# reads both): its config is checked below without a second training run.
+RECIPES = ["cifar10_cnn", "mnist", "cifar10_resnet", "lm_tiny_shakespeare"]
 TRAIN_KEYS = {
     "step",
     "loss",
@@ -111,6 +113,23 @@ def test_train_smoke_of_every_recipe_runs_on_mock_tfds_data(recipe, tmp_path):
     assert _records(workdir, "train")[-1]["step"] == 12
     metric = "perplexity" if recipe.startswith("lm") else "accuracy"
     assert metric in _records(workdir, "eval")[-1]
+
+
+def test_train_fashion_mnist_recipe_is_the_mnist_one_on_its_dataset():
+    import runpy
+
+    from jamp.train import loop
+
+    def parsed(recipe):
+        config = runpy.run_path(str(ROOT / "configs" / f"{recipe}.py"))["get_config"]("smoke")
+        return loop.parse_config(config)
+
+    (run, data_cfg, _, task), (mnist_run, mnist_data, _, _) = (
+        parsed("fashion_mnist"),
+        parsed("mnist"),
+    )
+    assert data_cfg.dataset == "fashion_mnist" and mnist_data.dataset == "mnist"
+    assert (run.model, run.policy, task) == (mnist_run.model, mnist_run.policy, "classification")
 
 
 def test_train_synthetic_recipe_and_policy_flag(tmp_path):
