@@ -4,13 +4,15 @@ The public API, all documented in the README:
 
 * policies: `get_policy`, `describe_policy`, `PRESETS`;
 * wrapping: `wrap` (linen and NNX modules), `autocast` (any JAX function), `FP32_MODULES`,
-  `UnsupportedProgramError`; NNX training through `jamp.make_train_step`: the `jamp.nnx`
+  `UnsupportedProgramError`, `module_policies` (which policy each linen submodule runs under); NNX training through `jamp.make_train_step`: the `jamp.nnx`
   module (`split`, `Functional`, `FP32_MODULES`);
 * loss scales: `NoOpLossScale`, `StaticLossScale`, `DynamicLossScale`, `loss_scale_for`,
   `all_finite`, `finite_by_group`, `select_tree`;
 * training: `TrainState`, `make_train_step`, `make_eval_step`;
 * fp8 matmuls' scaling: the `jamp.fp8` module (`init_state`, `Fp8State`, `quantize`,
   `dequantize`, `scale_for`, `RECIPES`);
+* adaptive precision: the `jamp.adaptive` module (`Controller`, `AdaptiveState`, `Change`,
+  `blame`, `ladder`, `placement_overrides`, `blocks`);
 * the device's 16-bit support: the `jamp.hardware` module (`support`, `auto_policy`,
   `emulation_warning`, `matmul_lowering`);
 * data parallelism: the `jamp.parallel` module (`replicate`, `unreplicate`, `shard`,
@@ -20,7 +22,7 @@ The public API, all documented in the README:
   `describe`).
 """
 
-from jamp import fp8, hardware, nnx, parallel, sharding
+from jamp import adaptive, fp8, hardware, nnx, parallel, sharding
 from jamp.autocast import autocast
 from jamp.jax_compat import UnsupportedProgramError
 from jamp.loss_scale import (
@@ -36,7 +38,7 @@ from jamp.precision import PRESETS, get_policy
 from jamp.precision import describe as describe_policy
 from jamp.state import TrainState
 from jamp.step import make_eval_step, make_train_step
-from jamp.wrap import FP32_MODULES, wrap
+from jamp.wrap import FP32_MODULES, module_policies, wrap
 
 __version__ = "0.1.0.dev0"
 
@@ -48,6 +50,7 @@ __all__ = [
     "StaticLossScale",
     "TrainState",
     "UnsupportedProgramError",
+    "adaptive",
     "all_finite",
     "autocast",
     "describe_policy",
@@ -58,6 +61,7 @@ __all__ = [
     "loss_scale_for",
     "make_eval_step",
     "make_train_step",
+    "module_policies",
     "nnx",
     "parallel",
     "select_tree",

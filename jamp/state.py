@@ -42,6 +42,9 @@ class TrainState:
             finite.
         fp8_state: the fp8 matmuls' scaling state (a `jamp.fp8.Fp8State`: per site amax history
             and scales), or None (no fp8, or stateless current scaling).
+        adaptive_state: the adaptive-precision controller's state (a
+            `jamp.adaptive.AdaptiveState`), or None. The train step passes it through untouched;
+            it is here so that checkpoints keep it with the rest.
 
     Example:
         >>> state = TrainState.create(params, optax.adam(1e-3),
@@ -57,6 +60,7 @@ class TrainState:
     loss_scale: Any
     skipped_steps: jax.Array
     fp8_state: Any = None
+    adaptive_state: Any = None
 
     @classmethod
     def create(
@@ -67,6 +71,7 @@ class TrainState:
         model_state: Mapping[str, Any] | None = None,
         loss_scale: Any = None,
         fp8_state: Any = None,
+        adaptive_state: Any = None,
     ) -> "TrainState":
         """Builds the state for step 0 and initializes the optimizer state from `params`.
 
@@ -78,6 +83,8 @@ class TrainState:
                 omitted. The train step's `loss_fn` must return a tree of the same structure and dtypes.
             loss_scale: the loss scale to start from; `NoOpLossScale()` when omitted.
             fp8_state: the fp8 scaling state to start from (`jamp.fp8.init_state`), or None.
+            adaptive_state: the adaptive-precision state to start from
+                (`jamp.adaptive.Controller.init`), or None.
 
         Returns:
             A `TrainState` with `step == 0` and `skipped_steps == 0`, both int32 arrays.
@@ -95,4 +102,5 @@ class TrainState:
             loss_scale=NoOpLossScale() if loss_scale is None else loss_scale,
             skipped_steps=_int32_scalar(0),
             fp8_state=fp8_state,
+            adaptive_state=adaptive_state,
         )

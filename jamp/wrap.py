@@ -38,6 +38,7 @@ import functools
 from typing import Any, Mapping, Optional
 
 import flax.linen as nn
+import jax
 import jmp
 from flax.core import DenyList
 
@@ -266,3 +267,51 @@ def wrap(
     policy, pairs = overrides_lib.resolve(policy, overrides, FP32_MODULES, (nn.Embed,))
     activations_lib.resolve(activations)  # reject a bad value here, with the accepted ones
     return Wrapped(module=module, policy=policy, overrides=pairs, activations=activations)
+
+
+def module_policies(model: Wrapped, variables, *args, **kwargs) -> dict[str, jmp.Policy]:
+    """The policy each submodule of a wrapped linen model runs under, by path.
+
+    One abstract (shape-only) call of `model.apply(variables, *args, **kwargs)`; a submodule
+    that no override matches runs under its caller's policy, the model itself under `policy`.
+    The paths come in the order their calls finish (a child before its parent, the model itself,
+    "", last): the order a forward overflow travels in.
+
+    Example::
+
+      model.module_policies  # {"Conv_0": <mixed_float16>, "LayerNorm_0": <float32>, ...}
+      dtypes = {p: pol.compute_dtype for p, pol in module_policies(model, variables, x).items()}
+    """
+    if not isinstance(model, Wrapped):
+        raise TypeError(f"module_policies takes a jamp.wrap-ped linen module, got {type(model)}")
+    found: dict[str, jmp.Policy] = {}
+    paths, stack = _Paths(), [model.policy]
+
+    def record(next_fun, fn_args, fn_kwargs, context):
+        if context.method_name == "setup" or context.module.scope is None:
+            return next_fun(*fn_args, **fn_kwargs)
+        path = paths.of(context.module)
+        index = overrides_lib.first_match(model.overrides, context.module, path)
+        stack.append(stack[-1] if index is None else model.overrides[index][1])
+        try:
+            with paths.calling(path):
+                return next_fun(*fn_args, **fn_kwargs)
+        finally:
+            found.setdefault("/".join(path), stack.pop())
+
+    def run(variables, args, kwargs):
+        with nn.intercept_methods(record):
+            return model.module.apply(variables, *args, **kwargs)
+
+    mutable = [c for c in variables if c != "params"] or False
+    static = {k: v for k, v in kwargs.items() if not _is_arrays(v)}
+    dynamic = {k: v for k, v in kwargs.items() if k not in static}
+    jax.eval_shape(
+        lambda v, a, d: run(v, a, {**d, **static, "mutable": mutable}), variables, args, dynamic
+    )
+    return found
+
+
+def _is_arrays(value) -> bool:
+    leaves = jax.tree.leaves(value)
+    return bool(leaves) and all(hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves)

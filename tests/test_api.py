@@ -11,6 +11,8 @@ JAMP = pathlib.Path(jamp.__file__).parent
 
 # What the README documents: adding a name here means documenting it there.
 PUBLIC = {
+    "adaptive",
+    "module_policies",
     "FP32_MODULES",
     "PRESETS",
     "DynamicLossScale",
@@ -60,7 +62,9 @@ RANK = {
     "metrics": 4,
     "optim": 4,
     "overflow_watch": 4,
-    "tasks": 4,
+    "tasks": 5.2,  # above inspect, whose per-module output flags the loss can return
+    "adaptive": 1,  # above precision and hardware: the dtype ladder
+    "adapting": 4.5,  # above wrap and overflow_watch, below loop
     "nnx_adapter": 4.5,  # above models, whose NNX model specs it builds
     "run_config": 5,
     "inspect": 5,  # library: see test_api_inspect_imports_no_training_program
@@ -70,7 +74,7 @@ RANK = {
 }
 # The training program's modules (jamp/train/): ranked like the library's, by their own name.
 PROGRAM = {"loop", "run_config", "run_log", "checkpoint", "metrics", "optim", "tasks"}
-PROGRAM |= {"overflow_watch", "data", "cli", "nnx_adapter"}
+PROGRAM |= {"overflow_watch", "data", "cli", "nnx_adapter", "adapting"}
 # Heavy or program-only dependencies, and the only modules allowed to import them.
 CONFINED = {
     "tensorflow": {"data"},

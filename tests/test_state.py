@@ -81,6 +81,7 @@ def test_state_holds_no_functions():
         "loss_scale",
         "skipped_steps",
         "fp8_state",
+        "adaptive_state",
     ]
     assert not any(callable(leaf) for leaf in jax.tree.leaves(state))
 

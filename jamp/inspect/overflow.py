@@ -96,8 +96,9 @@ def _call_order(module: nn.Module, variables, args, dynamic, static) -> list[str
     return list(dict.fromkeys(order))  # a shared module finishes several times: its first
 
 
-def _flags(tree, prefix=()) -> dict[str, jax.Array]:
-    """`{module path: finite}` from a captured "intermediates" tree."""
+def output_flags(tree, prefix=()) -> dict[str, jax.Array]:
+    """`{module path: finite}` from a captured "intermediates" tree (`capture_intermediates=True`):
+    whether each module's output was finite; usable inside a jitted train step."""
     flags = {}
     for key, value in tree.items():
         if key == _CALL:
@@ -108,7 +109,7 @@ def _flags(tree, prefix=()) -> dict[str, jax.Array]:
                     jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
                 )
         else:
-            flags.update(_flags(value, prefix + (str(key),)))
+            flags.update(output_flags(value, prefix + (str(key),)))
     return flags
 
 
@@ -155,4 +156,4 @@ def _check(model, static, variables, args, dynamic):
     )
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(out)]
     out_finite = jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
-    return out_finite, _flags(state.get("intermediates", {}))
+    return out_finite, output_flags(state.get("intermediates", {}))
