@@ -58,6 +58,17 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     c.fp8_recipe = "delayed"
     c.fp8_history = 16
     c.fp8_margin = 0.0
+    # Adaptive precision (jamp.adaptive): a module blamed for overflows on k of the last n steps,
+    # or at the loss scale's floor, moves up a rung (float16 -> bfloat16 where bf16 matmuls are
+    # native, else float32; bfloat16 -> float32), decided every k steps and at checkpoints; each
+    # change is logged, checkpointed and listed in the summary. demote_after m > 0 moves it back
+    # after m steps without overflow. linen models with float16 / bfloat16 policies.
+    c.adaptive_precision = False
+    c.adaptive = ml_collections.ConfigDict({"k": 6, "n": 50, "demote_after": 0})
+    # Static placement: modules computing in float32 whatever the policy, as path patterns
+    # ("Dense_1", "DecoderBlock_*/attn*") and first:N / last:N (the first / last N repeated
+    # blocks), comma-separated, e.g. "first:1,last:1".
+    c.keep_in_float32 = ""
 
     # pmap (jamp.parallel: every device holds the whole state) | sharded (jit on a device mesh,
     # the state split over its fsdp axis: jamp.sharding); mesh: the sharded run's axis sizes over

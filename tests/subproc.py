@@ -35,7 +35,7 @@ def recipe_state(data_dir, overrides=None, recipe: str = "default"):
     import runpy
 
     from jamp.models import model_task
-    from jamp.train import loop
+    from jamp.train import adapting, loop
     from jamp.train.optim import make_optimizer
 
     path = pathlib.Path(__file__).resolve().parents[1] / "configs" / f"{recipe}.py"
@@ -50,4 +50,10 @@ def recipe_state(data_dir, overrides=None, recipe: str = "default"):
     run, data_cfg, optim_cfg, _ = loop.parse_config(config)
     dataset, model = loop.build_model(run, data_cfg, model_task(run.model))
     tx, _ = make_optimizer(optim_cfg)
-    return loop.init_state(model, tx, run.loss_scale, dataset.info, run.seed, run.fp8)
+    adaptive_state = None
+    if run.adaptive:
+        static = loop.keep_in_float32(run, model, dataset.info)
+        adaptive_state = adapting.Adapting(run, model, dataset.info, static).init_state()
+    return loop.init_state(
+        model, tx, run.loss_scale, dataset.info, run.seed, run.fp8, adaptive_state=adaptive_state
+    )

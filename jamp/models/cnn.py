@@ -27,6 +27,12 @@ class SeedCNN(nn.Module):
     outgrow fp16's range in the backward pass. 1 (the default) is the seed's model; the tests and
     the overflow experiments use it to have one module that overflows and only one.
 
+    `hidden_gain` g != 1 draws the dense 256 layer's weights g times larger and layer-normalizes
+    its output: a pre-norm projection whose activations are g times larger than the next layer
+    sees, like the "massive activations" of large language models. In float32 and bfloat16 the
+    norm takes the scale out; in float16 a large g overflows that layer's output (65504) in the
+    forward pass, in that module only: the adaptive-precision tests and experiment use it.
+
     Example::
 
       logits = SeedCNN(num_classes=10).apply(variables, images_NHWC)
@@ -34,6 +40,7 @@ class SeedCNN(nn.Module):
 
     num_classes: int = 10
     stem_multiplier: float = 1.0
+    hidden_gain: float = 1.0
 
     @nn.compact
     def __call__(self, images_NHWC, train: bool = False):
@@ -46,5 +53,10 @@ class SeedCNN(nn.Module):
         x = nn.relu(nn.Conv(64, (3, 3), padding=1)(x))
         x = max_pool_2x2(x)
         x = x.reshape(x.shape[0], -1)
-        x = nn.relu(nn.Dense(256)(x))
+        g = self.hidden_gain
+        if g == 1:
+            x = nn.relu(nn.Dense(256)(x))
+        else:
+            big = nn.initializers.variance_scaling(g**2, "fan_in", "truncated_normal")
+            x = nn.relu(nn.LayerNorm()(nn.Dense(256, kernel_init=big)(x)))
         return nn.Dense(self.num_classes)(x)

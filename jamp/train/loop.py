@@ -20,13 +20,13 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jamp import fp8, parallel, sharding
+from jamp import adaptive, fp8, parallel, sharding
 from jamp.models import NnxModel, get_model
 from jamp.precision import describe, reduce_dtype
 from jamp.state import TrainState
 from jamp.step import make_eval_step, make_train_step
+from jamp.train import adapting, run_log, tasks
 from jamp.train import data as data_lib
-from jamp.train import run_log, tasks
 from jamp.train.checkpoint import Checkpointer
 from jamp.train.metrics import MetricWriter, mean_metrics, peak_memory_mib, summary_table
 from jamp.train.nnx_adapter import LinenView
@@ -65,12 +65,28 @@ def build_model(run: RunConfig, data_cfg, task: str):
             model = LinenView(model, run.policy, run.activations)
         else:
             model = wrap(model, run.policy, activations=run.activations)
+        if run.keep_in_float32:  # first:N / last:N need the model's blocks
+            static = keep_in_float32(run, model, dataset.info)
+            model = adapting.rewrap(model, static)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return dataset, model
 
 
-def init_state(model, tx, loss_scale, info, seed, fp8_scaling=None) -> TrainState:
+def keep_in_float32(run: RunConfig, model, info) -> dict:
+    """The `keep_in_float32` overrides of `run` for `model` (as `build_model` first wrapped it)."""
+    if not run.keep_in_float32:
+        return {}
+    _, top_level = adapting.layout(model, info)
+    try:
+        return adaptive.placement_overrides(run.keep_in_float32, top_level)
+    except ValueError as e:
+        raise ConfigError(f"keep_in_float32 {e}") from None
+
+
+def init_state(
+    model, tx, loss_scale, info, seed, fp8_scaling=None, adaptive_state=None
+) -> TrainState:
     """A fresh TrainState for `model` on data described by `info` (a dataset's `.info`).
 
     `fp8_scaling`, `(recipe, history, margin)` under an fp8 policy, gives it an fp8 state with a
@@ -97,7 +113,12 @@ def init_state(model, tx, loss_scale, info, seed, fp8_scaling=None) -> TrainStat
             margin=margin,
         )
     return TrainState.create(
-        params, tx, model_state=variables, loss_scale=loss_scale, fp8_state=fp8_state
+        params,
+        tx,
+        model_state=variables,
+        loss_scale=loss_scale,
+        fp8_state=fp8_state,
+        adaptive_state=adaptive_state,
     )
 
 
@@ -237,14 +258,28 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
         data_cfg, process_index=jax.process_index(), process_count=jax.process_count()
     )
     dataset, model = build_model(run, data_cfg, task)
+    adapt = None
+    if run.adaptive:
+        static = keep_in_float32(run, model, dataset.info)
+        adapt = adapting.Adapting(run, model, dataset.info, static)
     workdir = prepare_workdir(workdir)
     tx, schedule = make_optimizer(optim_cfg)
-    state = init_state(model, tx, run.loss_scale, dataset.info, run.seed, run.fp8)
+    state = init_state(
+        model,
+        tx,
+        run.loss_scale,
+        dataset.info,
+        run.seed,
+        run.fp8,
+        adaptive_state=adapt.init_state() if adapt else None,
+    )
     with Checkpointer(workdir / "checkpoints", max_to_keep=run.max_checkpoints_to_keep) as ckpt:
         if ckpt.latest_step() is not None:
             # CheckpointError if it belongs to another config; damaged newer ones are set aside
             state = ckpt.restore(_restore_target(run, state), set_aside_damaged=True)
             print(f"resuming from the checkpoint at step {int(state.step)}", flush=True)
+            if adapt is not None:  # the promotions made before the checkpoint hold again
+                adapt.resume(state)
         notes = run_log.hardware_notes(config.policy, run.policy)
         start = int(state.step)
         primary = jax.process_index() == 0  # the others hold the same averaged metrics
@@ -267,6 +302,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
                 stop,
                 t_begin,
                 workdir,
+                adapt=adapt,
             )
     summary.update(notes)
     summary["workdir"] = str(workdir)
@@ -289,12 +325,16 @@ def _train(
     stop,
     t_begin,
     workdir,
+    *,
+    adapt=None,
 ):
     reduce = reduce_dtype(run.policy)  # under pmap, the step averages in it; sharded, wrap sums
+    if adapt is not None:
+        model = adapt.model  # with the promotions a restored checkpoint holds
 
     def train_step_fn(axis_name):
         return make_train_step(
-            tasks.make_loss_fn(model, task),
+            tasks.make_loss_fn(model, task, forward_flags=adapt is not None),
             tx,
             axis_name=axis_name,
             accumulation_steps=run.accumulation_steps,
@@ -332,6 +372,19 @@ def _train(
         step += 1
         if bar is not None:
             bar.update(1)
+        if adapt is not None:
+            adapt.add(step, metrics)
+            if adapt.due(step):
+                adapt.observe(placement.fetch)
+                changes = adapt.decide(step)
+                if changes:  # a new model: the step is built and compiled once more
+                    run_log.note_precision_changes(changes, writer, bar)
+                    model = adapt.model
+                    # Promoted, the module no longer forces the scale down: start it afresh.
+                    host = placement.host(state).replace(loss_scale=run.loss_scale)
+                    placement = _placement(run, train_step_fn, eval_fn, host)
+                    p_train_step = placement.train_step
+                    state = placement.place(host)
         if run.trace_nonfinite and not bool(np.all(jax.device_get(metrics["grads_finite"]))):
             # Costs a wait for the device every step, and a forward pass on skipped ones only.
             run_log.trace_overflow(
@@ -340,7 +393,7 @@ def _train(
         if step == start + 1:  # the first step compiles: keep it out of the throughput
             first = [jax.device_get(placement.fetch(metrics))]
             run_log.note_overflows(overflows, first, step, writer, bar)
-            run_log.watch_overflow(overflow, first, step, run, bar)
+            run_log.watch_overflow(overflow, first, step, run, bar, adapt)
             window_start, wait, pending = time.perf_counter(), 0.0, []
             continue
         if step % run.log_every_steps == 0 or step == run.num_train_steps:
@@ -355,18 +408,20 @@ def _train(
             writer.write(step, record, kind="train")
             steps_timed, time_timed = steps_timed + len(pending), time_timed + elapsed
             run_log.show_progress(bar, step, record, counts)
-            run_log.watch_overflow(overflow, window, step, run, bar)
+            run_log.watch_overflow(overflow, window, step, run, bar, adapt)
             pending, window_start, wait = [], time.perf_counter(), 0.0
         hook_start = time.perf_counter()
         if step % run.eval_every_steps == 0 and step < run.num_train_steps:
             eval_metrics = evaluate(placement, state, dataset, task)
             writer.write(step, eval_metrics, kind="eval")
         if step % run.checkpoint_every_steps == 0:
-            checkpointer.save(step, placement.host(state))
+            checkpointer.save(step, _savable(placement.host(state), adapt))
         window_start += time.perf_counter() - hook_start  # hooks are not training throughput
     if bar is not None:
         bar.close()
-    final = placement.host(state)
+    if adapt is not None and adapt.pending:  # stopped early: recorded, decided after the resume
+        adapt.observe(placement.fetch)
+    final = _savable(placement.host(state), adapt)
     if checkpointer.latest_step() != step:
         checkpointer.save(step, final)
     if not stop.should_stop(step):
@@ -382,7 +437,14 @@ def _train(
         run, task, final, step, eval_metrics, steps_timed, time_timed, dataset, t_begin
     )
     summary["overflowing modules"] = overflows.most_frequent() or "none"
+    if adapt is not None:
+        summary["precision changes"] = adapt.summary()
     return summary
+
+
+def _savable(host_state, adapt):
+    """What a checkpoint saves: the host state with the adaptive controller's current state."""
+    return host_state if adapt is None else adapt.with_state(host_state)
 
 
 def _fp8_summary(run, state) -> str:

@@ -24,15 +24,16 @@ _STATS = "batch_stats"  # the collection name the program's tasks pass as `mutab
 class LinenView:
     """`spec` (a `jamp.models.NnxModel`) under `policy`, used through `init` / `apply`."""
 
-    def __init__(self, spec: NnxModel, policy, activations: str = "auto"):
+    def __init__(self, spec: NnxModel, policy, activations: str = "auto", overrides=None):
         self.spec, self.policy, self.activations = spec, policy, activations
+        self.overrides = overrides
         self._built = None  # (functional, params treedef, model-state treedef)
 
     def init(self, rng, x, train: bool = False) -> dict:
         del train
         rngs = nnx.Rngs(params=rng, dropout=jax.random.fold_in(rng, 1))
         module = self.spec.build(tuple(x.shape[1:]), rngs)
-        model = wrap(module, self.policy, activations=self.activations)
+        model = wrap(module, self.policy, self.overrides, activations=self.activations)
         functional, params, model_state = jamp_nnx.split(model)
         variables = {"params": nnx.to_pure_dict(params)}
         if jax.tree.leaves(model_state):

@@ -126,9 +126,13 @@ class OverflowLog:
         return text + (f" and {more} more" if more > 0 else "")
 
 
+#: The loss's per-module forward flags (`jamp.train.tasks.make_loss_fn(forward_flags=True)`).
+FORWARD = "forward_finite_by_module"
+
+
 def without_flags(metrics: Mapping[str, Any]) -> dict:
     """The step metrics minus the per-module flags: the scalars `mean_metrics` averages."""
-    return {k: v for k, v in metrics.items() if k != BY_MODULE}
+    return {k: v for k, v in metrics.items() if k not in (BY_MODULE, FORWARD)}
 
 
 def advice() -> str:

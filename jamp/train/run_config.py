@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 
 from jamp import activations as activations_lib
-from jamp import fp8, hardware, precision, sharding
+from jamp import adaptive, fp8, hardware, precision, sharding
 from jamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jamp.models import is_nnx, model_task
 from jamp.precision import get_policy
@@ -63,6 +63,10 @@ class RunConfig:
     profile_steps: int = 0
     # (recipe, history, margin) of an fp8 policy's scaling (`jamp.fp8`); None: no fp8 matmuls.
     fp8: Any = None
+    # (k, n, demote_after or None) of adaptive precision (`jamp.adaptive`); None: off.
+    adaptive: Any = None
+    # module path patterns and first:N / last:N forms computing in float32 (`keep_in_float32`).
+    keep_in_float32: tuple = ()
 
 
 def _make_loss_scale(kind: str, p: ml_collections.ConfigDict, policy: jmp.Policy):
@@ -188,8 +192,53 @@ def parse_config(config: ml_collections.ConfigDict):
         trace_nonfinite=_trace_nonfinite(config),
         profile_steps=_profile_steps(config),
         fp8=_fp8(config, policy),
+        adaptive=_adaptive(config, policy),
+        keep_in_float32=_keep_in_float32(config),
     )
     return run, data, optim, task
+
+
+def _adaptive(config, policy):
+    """(k, n, demote_after) when adaptive precision is on, else None; or a one-line ConfigError."""
+    on = config.get("adaptive_precision", False)
+    if not isinstance(on, bool):
+        raise ConfigError(f"adaptive_precision must be true or false, got {on!r}")
+    params = config.get("adaptive", None) or {}
+    k = params.get("k", adaptive.DEFAULT_K)
+    n = params.get("n", adaptive.DEFAULT_N)
+    demote = params.get("demote_after", 0)
+    for name, value in (("k", k), ("n", n), ("demote_after", demote)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"adaptive.{name} must be a non-negative integer, got {value!r}")
+    if not 1 <= k <= n:
+        raise ConfigError(f"adaptive needs 1 <= k <= n, got k={k} and n={n}")
+    if not on:
+        return None
+    if is_nnx(config.model):
+        raise ConfigError(
+            f"adaptive_precision reads each module's forward output, which needs a linen model; "
+            f"{config.model!r} is an NNX model (keep_in_float32 places NNX modules statically)"
+        )
+    if precision.is_fp8(policy):
+        raise ConfigError(
+            "adaptive_precision runs with float16 and bfloat16 policies; under an fp8 policy "
+            "use keep_in_float32 (or the policy's own overrides) for now"
+        )
+    return (k, n, demote or None)
+
+
+def _keep_in_float32(config) -> tuple[str, ...]:
+    value = config.get("keep_in_float32", "")
+    if isinstance(value, str):
+        items = [p.strip() for p in value.split(",")]
+    elif isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value):
+        items = [p.strip() for p in value]
+    else:
+        raise ConfigError(
+            f"keep_in_float32 takes module path patterns and first:N / last:N, comma-separated, "
+            f"got {value!r}"
+        )
+    return tuple(p for p in items if p)
 
 
 def _fp8(config, policy):

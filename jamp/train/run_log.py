@@ -123,17 +123,38 @@ def trace_overflow(model, task, host_state, batch, rng, step, writer, bar):
     say(bar, f"step {step}: skipped; {found.describe()}")
 
 
-def watch_overflow(watch, window, step, run, bar):
+def note_precision_changes(changes, writer, bar):
+    """Logs adaptive precision's changes: a line each, a metrics.jsonl / TensorBoard event."""
+    for change in changes:
+        writer.write_event(
+            change.step,
+            "precision_change",
+            module=change.module,
+            from_dtype=change.from_dtype,
+            to_dtype=change.to_dtype,
+            reason=change.reason,
+        )
+        say(bar, change.describe())
+
+
+def watch_overflow(watch, window, step, run, bar, adapt=None):
     """Stops or warns when the last steps were all skipped with the loss scale at its floor."""
     message = watch.update(window, step)
     if message is None:
         return
+    stuck = adapt.why_stuck() if adapt is not None else None
+    tips = advice()
+    if stuck:
+        message = f"{message}; {stuck}"
+        if adapt.nothing_left():  # float32 already: the format's advice would mislead
+            tips = ""
+    tips = f"; {tips}" if tips else ""
     if run.on_persistent_overflow == "stop":
         if bar is not None:
             bar.close()
-        raise TrainingDiverged(f"training stopped at {message}; {advice()}")
+        raise TrainingDiverged(f"training stopped at {message}{tips}")
     if jax.process_index() == 0:  # every process sees the same averaged metrics
-        text = f"warning: {message}; continuing as on_persistent_overflow=warn asks; {advice()}"
+        text = f"warning: {message}; continuing as on_persistent_overflow=warn asks{tips}"
         if bar is not None:
             bar.write(text, file=sys.stderr)
         else:

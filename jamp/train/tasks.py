@@ -12,6 +12,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import optax
 
+from jamp.inspect.overflow import output_flags
+from jamp.train.overflow_watch import FORWARD
+
 TASKS = ("classification", "lm")
 
 
@@ -34,17 +37,48 @@ def model_inputs(task: str, batch):
     return _inputs_targets(task, batch)[0]
 
 
-def make_loss_fn(model, task: str):
-    """`loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, metrics))`."""
+#: The loss metrics' per-module forward flags (`make_loss_fn(..., forward_flags=True)`).
+FORWARD_FLAGS = FORWARD
+
+
+def _apply_checked(model, params, model_state, inputs, rng):
+    """A train-mode apply that also says whether each module's output was finite."""
+    variables = {"params": params, **model_state}
+    out, state = model.apply(
+        variables,
+        inputs,
+        train=True,
+        rngs={"dropout": rng} if rng is not None else None,
+        mutable=[*model_state, "intermediates"],
+        capture_intermediates=True,
+    )
+    state = dict(state)
+    flags = output_flags(state.pop("intermediates", {}))
+    # float32, so that the step averages them over replicas like any metric: 1.0 only when
+    # every replica's output was finite there.
+    return out, state, {path: ok.astype(jnp.float32) for path, ok in flags.items()}
+
+
+def make_loss_fn(model, task: str, *, forward_flags: bool = False):
+    """`loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, metrics))`.
+
+    With `forward_flags` (a linen model), `metrics[FORWARD_FLAGS]` says per module path whether
+    its output was finite on this step (1.0) or not (0.0): where a forward overflow began.
+    """
 
     def loss_fn(params, model_state, batch, rng):
         inputs, targets = _inputs_targets(task, batch)
-        logits, new_model_state = _apply(model, params, model_state, inputs, True, rng)
+        extra = {}
+        if forward_flags:
+            logits, new_model_state, flags = _apply_checked(model, params, model_state, inputs, rng)
+            extra[FORWARD_FLAGS] = flags
+        else:
+            logits, new_model_state = _apply(model, params, model_state, inputs, True, rng)
         # Cross-entropy on fp32 logits: its log-softmax is where 16-bit loses the tail first.
         logits = logits.astype(jnp.float32)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
         accuracy = jnp.mean(logits.argmax(-1) == targets)
-        return loss, (new_model_state, {"accuracy": accuracy})
+        return loss, (new_model_state, {"accuracy": accuracy, **extra})
 
     return loss_fn
 

@@ -1,0 +1,165 @@
+"""The training program's side of adaptive precision (`--config.adaptive_precision=true`) and of
+static placement (`--config.keep_in_float32`).
+
+`jamp.adaptive.Controller` decides; this module feeds it the step metrics, applies its decisions
+(a model wrapped with the new overrides, so the step is built and compiled once more) and tells
+the user. Decisions are taken at fixed steps, every `k` steps and at each checkpoint, from the
+steps' metrics alone: a run resumed from a checkpoint promotes exactly where the original did.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jamp import adaptive
+from jamp.loss_scale import DynamicLossScale
+from jamp.train.overflow_watch import BY_MODULE, FORWARD
+from jamp.wrap import Wrapped, module_policies
+from jamp.wrap import wrap as wrap_linen
+
+# What the controller reads of each step's metrics; the rest stays on the device.
+_READ = ("grads_finite", "loss_scale", BY_MODULE, FORWARD)
+
+
+def _dummy(info):
+    dtype = jnp.int32 if info.task == "lm" else jnp.float32
+    return jnp.zeros((1, *info.input_shape), dtype)
+
+
+def layout(model, info) -> tuple[dict, list[str]]:
+    """`({module path: compute dtype}, top-level paths in call order)` of a wrapped model, from
+    an abstract init and call (nothing runs). An NNX model (its program view) has no module
+    calls to intercept: its top-level parameter groups, a list of blocks as its items
+    (`blocks/0`, `blocks/1`, ...), and no dtypes."""
+    x = _dummy(info)
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), x, train=False))
+    if not isinstance(model, Wrapped):
+        top = []
+        for key, value in variables["params"].items():
+            items = list(value) if isinstance(value, dict) else []
+            if items and all(str(i).isdigit() for i in items):
+                top += [f"{key}/{i}" for i in sorted(items, key=int)]
+            else:
+                top.append(str(key))
+        return {}, top
+    policies = module_policies(model, variables, x, train=False)
+    dtypes = {path: np.dtype(p.compute_dtype) for path, p in policies.items()}
+    return dtypes, [p for p in policies if p and "/" not in p]
+
+
+def rewrap(model, overrides):
+    """The same model under the same policy with `overrides` (path -> policy) instead."""
+    if isinstance(model, Wrapped):
+        return wrap_linen(model.module, model.policy, overrides, activations=model.activations)
+    return type(model)(model.spec, model.policy, model.activations, overrides)
+
+
+class Adapting:
+    """Feeds a `jamp.adaptive.Controller` from the loop and rebuilds the model on a change.
+
+    Args:
+      run: the RunConfig (`run.adaptive` is `(k, n, demote_after)`).
+      model: the wrapped model as `build_model` made it (static overrides included).
+      info: the dataset's info (the input shape, for the abstract call).
+      static: the static overrides the model was wrapped with (`keep_in_float32`).
+    """
+
+    def __init__(self, run, model, info, static):
+        k, n, demote_after = run.adaptive
+        dtypes, _ = layout(model, info)
+        params = jax.eval_shape(lambda: model.init(jax.random.key(0), _dummy(info)))["params"]
+        modules = [p for p in dtypes if p] + [str(g) for g in params if str(g) not in dtypes]
+        self.controller = adaptive.Controller(
+            run.policy, modules, k=k, n=n, demote_after=demote_after, start=dtypes
+        )
+        self.order = [p for p in dtypes]  # call finish order, for the forward flags
+        self.k = k
+        self.checkpoint_every = run.checkpoint_every_steps
+        self.last_step = run.num_train_steps
+        self.static = dict(static)
+        self.base = model
+        self.model = model
+        self.pending: list = []  # (step, device metrics) not yet observed
+        self._floor = (
+            np.float32(run.loss_scale.min_loss_scale)
+            if isinstance(run.loss_scale, DynamicLossScale)
+            else np.float32(np.inf)
+        )
+        self.last_blamed: tuple[str, ...] = ()
+        self.ctl = self.controller.init()  # the controller state; the device copy is stale
+
+    def init_state(self) -> adaptive.AdaptiveState:
+        return self.ctl
+
+    def resume(self, state) -> None:
+        """Takes the controller state of a restored TrainState and rebuilds the model with it."""
+        ctl = jax.tree.map(np.asarray, jax.device_get(state.adaptive_state))
+        self.controller.check(ctl)
+        self.ctl = ctl
+        self._rebuild(ctl)
+
+    def with_state(self, host_state):
+        """`host_state` carrying the controller's current state, for a checkpoint."""
+        return host_state.replace(adaptive_state=self.ctl)
+
+    def _rebuild(self, ctl) -> None:
+        overrides = {**self.controller.overrides(ctl), **self.static}
+        self.model = rewrap(self.base, overrides) if overrides != self.static else self.base
+
+    def add(self, step: int, metrics) -> None:
+        self.pending.append((step, {k: metrics[k] for k in _READ if k in metrics}))
+
+    def due(self, step: int) -> bool:
+        return step % self.k == 0 or step % self.checkpoint_every == 0 or step == self.last_step
+
+    def observe(self, fetch) -> None:
+        """Records the pending steps in the controller state (no decision)."""
+        ctl = self.ctl
+        fetched = jax.device_get([metrics for _, metrics in self.pending])  # one transfer
+        for (step, _), metrics in zip(self.pending, fetched):
+            m = fetch(metrics)
+            skipped = not bool(np.all(m["grads_finite"]))
+            blamed = ()
+            if skipped:
+                blamed = adaptive.blame(m.get(BY_MODULE, {}), m.get(FORWARD), self.order)
+                self.last_blamed = blamed or self.last_blamed
+            at_floor = skipped and np.float32(m["loss_scale"]) <= self._floor
+            ctl = self.controller.observe(
+                ctl, step, skipped=skipped, at_floor=at_floor, blamed=blamed
+            )
+        self.pending = []
+        self.ctl = ctl
+
+    def decide(self, step: int) -> list:
+        """The changes decided at `step`; with changes, `self.model` is the model to build the
+        step from."""
+        self.ctl, changes = self.controller.decide(self.ctl, step)
+        if changes:
+            self._rebuild(self.ctl)
+        return changes
+
+    def why_stuck(self) -> str | None:
+        """For the persistent-overflow stop: what adaptive precision could not do."""
+        if not self.last_blamed:
+            return (
+                "adaptive precision could not trace the overflow to a module (every gradient "
+                "overflowed with a finite forward pass)"
+            )
+        if self.nothing_left():
+            return (
+                f"adaptive precision has nothing left to promote: {', '.join(self.last_blamed)} computes in "
+                "float32 already, so this is not the number format: look for a bug in the data "
+                "(nan/inf inputs) or the model (a diverging loss, a division by zero)"
+            )
+        return None
+
+    def nothing_left(self) -> bool:
+        """Whether every module the last overflow was blamed on computes in float32 already."""
+        done = self.controller.exhausted(self.ctl, self.last_blamed)
+        return bool(self.last_blamed) and len(done) == len(self.last_blamed)
+
+    def summary(self) -> str:
+        lines = self.controller.promotions(self.ctl)
+        return "; ".join(lines) if lines else "none"

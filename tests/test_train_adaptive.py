@@ -1,0 +1,297 @@
+"""Adaptive precision and static placement in `python -m jamp.train`.
+
+The model is the seed CNN with a pre-norm projection whose activations are 1e5 times larger
+than the layer norm after it passes on (`hidden_gain`, a stand-in for the "massive activations"
+of large LMs). Its activations carried in float16 (`activations=compute`, the GPU default)
+overflow there, in that one module, on every step: fp16 alone ends in the persistent-overflow
+stop; adaptive precision moves that module, and only it, to bfloat16.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import runpy
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from subproc import cli_env, recipe_state
+
+from jamp.train.checkpoint import Checkpointer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FRAGILE = {
+    "model_config": "{'hidden_gain': 1e5}",
+    "activations": "compute",
+    "log_every_steps": 25,
+    "eval_every_steps": 1000,
+}
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+def _command(workdir, data_dir, **overrides):
+    flags = {**FRAGILE, "data_dir": data_dir, **overrides}
+    return [
+        sys.executable,
+        "-m",
+        "jamp.train",
+        "--config=configs/default.py",
+        f"--workdir={workdir}",
+        *(f"--config.{k}={v}" for k, v in flags.items()),
+    ]
+
+
+def _cli(workdir, data_dir, devices=2, **overrides):
+    return subprocess.run(
+        _command(workdir, data_dir, **overrides),
+        cwd=ROOT,
+        env=cli_env(devices),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _records(workdir, kind):
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def _summary(stdout, row):
+    found = [line for line in stdout.splitlines() if line.startswith(row)]
+    assert found, stdout
+    return found[-1][len(row) :].strip()
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tfds")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_dir):
+    """The fragile model for 300 steps: adaptive fp16, and float32."""
+    out = {}
+    for name, flags in (
+        ("adaptive", {"adaptive_precision": "true"}),
+        ("float32", {"policy": "float32"}),
+    ):
+        workdir = tmp_path_factory.mktemp(name) / "run"
+        result = _cli(workdir, data_dir, num_train_steps=300, **flags)
+        assert result.returncode == 0, result.stderr[-3000:]
+        out[name] = (workdir, result)
+    return out
+
+
+def test_fp16_without_adaptation_ends_in_the_persistent_overflow_stop(tmp_path, data_dir):
+    out = _cli(tmp_path / "run", data_dir, num_train_steps=150)
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert "training stopped at step" in out.stderr and "cannot back off" in out.stderr
+
+
+def test_adaptive_promotes_the_fragile_module_alone_within_n_steps(runs):
+    workdir, out = runs["adaptive"]
+    changes = _records(workdir, "precision_change")
+    assert [(c["module"], c["from_dtype"], c["to_dtype"]) for c in changes] == [
+        ("Dense_0", "float16", "bfloat16")
+    ]
+    assert changes[0]["step"] <= 50  # n, the window
+    assert "Dense_0 now computes in bfloat16 (was float16)" in out.stderr
+    assert _summary(out.stdout, "precision changes").startswith(
+        "Dense_0: float16 -> bfloat16 at step"
+    )
+    # after the promotion nothing is skipped: the scale grows back to where it started
+    train = _records(workdir, "train")
+    assert train[-1]["skipped_steps"] == changes[0]["step"]
+    assert train[-1]["loss_scale"] == 2.0**16
+
+
+def test_adaptive_fp16_ends_within_half_a_point_of_float32(runs):
+    got = float(_summary(runs["adaptive"][1].stdout, "eval accuracy"))
+    want = float(_summary(runs["float32"][1].stdout, "eval accuracy"))
+    assert got >= want - 0.005, (got, want)
+
+
+def _steps(workdir):
+    directory = workdir / "checkpoints"
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def test_promotion_survives_sigkill_and_resume_bit_exactly(tmp_path, data_dir):
+    flags = dict(adaptive_precision="true", num_train_steps=30, checkpoint_every_steps=10)
+    flags.update(log_every_steps=10, max_checkpoints_to_keep=5)
+    reference = tmp_path / "reference"
+    out = _cli(reference, data_dir, **flags)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (change,) = _records(reference, "precision_change")
+    assert change["step"] < 10  # promoted before the first checkpoint: the resume must keep it
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        _command(killed, data_dir, **flags),
+        cwd=ROOT,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 300
+        while not (killed / "checkpoints" / "20").exists() and proc.poll() is None:
+            assert time.time() < deadline
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGKILL and _steps(killed)[-1] < 30
+    out = _cli(killed, data_dir, **flags)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resuming from the checkpoint" in out.stdout
+    # the summary after the resume still lists the promotion made before the kill
+    assert f"Dense_0: float16 -> bfloat16 at step {change['step']}" in out.stdout
+    overrides = {k: v for k, v in flags.items() if k != "adaptive_precision"}
+    overrides.update(adaptive_precision=True, model_config={"hidden_gain": 1e5})
+    overrides.update(activations="compute")
+    target = recipe_state(data_dir, overrides)
+    with Checkpointer(reference / "checkpoints") as a, Checkpointer(killed / "checkpoints") as b:
+        want, got = a.restore(target, step=30), b.restore(target, step=30)
+    assert int(np.asarray(want.adaptive_state.rung).sum()) == 1
+    paths = jax.tree_util.tree_flatten_with_path(want)[0]
+    for (path, x), y in zip(paths, jax.tree.leaves(got)):
+        np.testing.assert_array_equal(
+            np.asarray(y), np.asarray(x), err_msg=jax.tree_util.keystr(path), strict=True
+        )
+
+
+def test_every_replica_and_the_sharded_step_promote_at_the_same_step(tmp_path, data_dir):
+    steps = {}
+    for name, devices, flags in (
+        ("one", 1, {}),
+        ("pmap8", 8, {}),
+        ("sharded", 8, {"parallelism": "sharded", "mesh": "data=2,fsdp=4"}),
+    ):
+        workdir = tmp_path / name
+        out = _cli(
+            workdir, data_dir, devices, adaptive_precision="true", num_train_steps=12, **flags
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        steps[name] = [(c["step"], c["module"]) for c in _records(workdir, "precision_change")]
+    assert steps["one"] and steps["one"] == steps["pmap8"] == steps["sharded"], steps
+
+
+def test_keep_in_float32_places_modules_statically(data_dir):
+    import runpy
+
+    from jamp.models import model_task
+    from jamp.train import loop
+    from jamp.wrap import module_policies
+
+    config = runpy.run_path(str(ROOT / "configs" / "default.py"))["get_config"]()
+    config.data_dir = str(data_dir)
+    config.keep_in_float32 = "first:1,Dense_1"
+    run, data_cfg, _, _ = loop.parse_config(config)
+    dataset, model = loop.build_model(run, data_cfg, model_task(run.model))
+    x = jnp.zeros((1, *dataset.info.input_shape))
+    variables = model.init(jax.random.key(0), x)
+    got = {
+        p: np.dtype(q.compute_dtype).name for p, q in module_policies(model, variables, x).items()
+    }
+    assert got["Conv_0"] == got["Dense_1"] == "float32"
+    assert got["Conv_1"] == got["Dense_0"] == "float16"
+
+
+ON = "--config.adaptive_precision=true"
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--config.keep_in_float32=last:9"], ["keep_in_float32", "from 1 to 4"]),
+        (["--config.keep_in_float32=middle:1"], ["first:N / last:N"]),
+        (["--config.adaptive_precision=maybe"], ["adaptive_precision"]),
+        (["--config.adaptive.k=80"], ["1 <= k <= n"]),
+        ([ON, "--config.model=seed_cnn_nnx"], ["linen model", "NNX"]),
+        ([ON, "--config.policy=mixed_fp8"], ["fp8", "keep_in_float32"]),
+    ],
+)
+def test_bad_adaptive_flags_get_one_line(tmp_path, data_dir, flags, words):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jamp.train",
+            "--config=configs/default.py:smoke",
+            f"--workdir={tmp_path / 'run'}",
+            f"--config.data_dir={data_dir}",
+            *flags,
+        ],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert all(w in lines[0] for w in words), lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_keep_in_float32_places_nnx_modules_by_attribute_path(data_dir):
+    from jamp.models import model_task
+    from jamp.train import loop
+
+    config = runpy.run_path(str(ROOT / "configs" / "digits_nnx.py"))["get_config"]()
+    config.data_dir = str(data_dir)
+    config.keep_in_float32 = "first:1"  # no family of blocks: the first top-level module
+    run, data_cfg, _, _ = loop.parse_config(config)
+    dataset, model = loop.build_model(run, data_cfg, model_task(run.model))
+    x = jnp.zeros((1, *dataset.info.input_shape))
+    variables = model.init(jax.random.key(0), x)
+    jaxpr = jax.make_jaxpr(lambda v: model.apply(v, x, train=False))(variables)
+    convs = [
+        e.invars[0].aval.dtype.name
+        for e in _eqns(jaxpr.jaxpr)
+        if e.primitive.name == "conv_general_dilated"
+    ]
+    assert convs == ["float32", "float16"], convs  # conv1 kept, conv2 under the policy
+
+
+def _eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", None)
+            if inner is not None and hasattr(inner, "eqns"):
+                yield from _eqns(inner)
+            elif hasattr(value, "eqns"):
+                yield from _eqns(value)
+
+
+def test_the_persistent_overflow_stop_says_when_promotions_have_run_out(tmp_path, data_dir):
+    # hidden_gain 1e39 overflows even float32: Dense_0 climbs float16 -> bfloat16 -> float32 and
+    # the run still cannot take a step; the stop then blames the model, not the format.
+    out = _cli(
+        tmp_path / "run",
+        data_dir,
+        model_config="{'hidden_gain': 1e39}",
+        adaptive_precision="true",
+        num_train_steps=200,
+        log_every_steps=10,
+        persistent_overflow_steps=20,
+    )
+    assert out.returncode == 3, out.stderr[-2000:]
+    changes = _records(tmp_path / "run", "precision_change")
+    assert [(c["module"], c["to_dtype"]) for c in changes] == [
+        ("Dense_0", "bfloat16"),
+        ("Dense_0", "float32"),
+    ]
+    (line,) = [x for x in out.stderr.splitlines() if "training stopped" in x]
+    assert "nothing left to promote: Dense_0 computes in float32 already" in line
+    assert "bug in the data" in line and "bf16 policy" not in line
