@@ -1,0 +1,262 @@
+"""Adaptive precision on a network with an fp16-fragile block, and the window k-of-n it needs.
+
+    cd /work/main && python experiments/adaptive_precision.py               # ~3 min on 2 cores
+    cd /work/main && python experiments/adaptive_precision.py --steps 200 --seeds 1   # quick
+
+The network is the default recipe's seed CNN on digits with `hidden_gain=1e5`: its dense 256
+layer is drawn 1e5 times larger and layer-normalized after, a pre-norm projection with
+"massive activations" (large LMs grow such activations in their residual streams). The
+activations are carried in the compute dtype (`activations=compute`, the GPU default), so under
+mixed_float16 that layer's output passes float16's 65504 on every step, in that module only:
+measured below as the forward flags of the first skipped step. Four runs per seed, all the real
+program (`python -m jamp.train`): float32 (on CPU: true fp32 matmuls), mixed_bfloat16,
+mixed_float16 and mixed_float16 with `--config.adaptive_precision=true`.
+
+Then fp16 runs without a forward-fragile block, adaptive off and on: the default recipe, the
+same with a scale that regrows every 20 steps, the LM recipe, and the seed CNN whose first
+convolution has 1e4 times larger gradients (`stem_multiplier`), to count how often the loss
+scale's own search skips steps (k must stay above it), to see what the controller does with a
+module that forces the whole model's scale down, and what adaptive precision costs per step.
+
+Writes experiments/results/adaptive_precision_cpu.md (the table, the promotion log) and
+adaptive_precision_cpu.png (loss, loss scale and promotions over steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from _accuracy import RESULTS, ROOT, pyplot, versions
+from _xla import cpu_description
+
+FRAGILE = ["--config.model_config={'hidden_gain': 1e5}", "--config.activations=compute"]
+RUNS = {
+    "float32": ["--config.policy=float32"],
+    "mixed_bfloat16": ["--config.policy=mixed_bfloat16"],
+    "mixed_float16": ["--config.policy=mixed_float16"],
+    "mixed_float16 + adaptive": [
+        "--config.policy=mixed_float16",
+        "--config.adaptive_precision=true",
+    ],
+}
+
+
+def cli(workdir, flags, steps, seed, config=None):
+    cmd = [sys.executable, "-m", "jamp.train"] + ([f"--config={config}"] if config else [])
+    cmd += [f"--workdir={workdir}", f"--config.num_train_steps={steps}",
+            f"--config.seed={seed}", "--config.log_every_steps=10", *flags]  # fmt: skip
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    records = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    return out, records
+
+
+def kind(records, name):
+    return [r for r in records if r["kind"] == name]
+
+
+def outcome(out, records):
+    evals = kind(records, "eval")
+    if out.returncode == 3:
+        stop = [x for x in out.stderr.splitlines() if "training stopped" in x]
+        # "error: training stopped at step 120: the last ..." -> "training stopped at step 120"
+        where = stop[0].split(":")[1].strip() if stop else "stopped"
+        return None, f"{where} (persistent overflow)"
+    if out.returncode:
+        raise SystemExit(out.stderr[-2000:])
+    return evals[-1]["accuracy"], "finished"
+
+
+def max_in_window(steps: list[int], n: int) -> int:
+    """The most of `steps` (skipped steps of one module) inside any n consecutive steps."""
+    steps = sorted(steps)
+    best, lo = 0, 0
+    for hi, s in enumerate(steps):
+        while s - steps[lo] >= n:
+            lo += 1
+        best = max(best, hi - lo + 1)
+    return best
+
+
+SIDE = (
+    ("default recipe (seed CNN, digits)", None, []),
+    ("default recipe, scale regrows every 20 steps", None, ["--config.loss_scale_params.growth_interval=20"]),
+    ("seed CNN, stem_multiplier=1e4 (backward-fragile first conv)", None, ["--config.model_config={'stem_multiplier': 1e4}"]),
+    ("lm_pydoc (Transformer LM), regrows every 20", "configs/lm_pydoc.py", ["--config.loss_scale_params.growth_interval=20"]),
+)  # fmt: skip
+
+
+def side_by_side(tmp, steps):
+    """fp16 runs without a forward-fragile block, adaptive off and on (activations in the
+    compute dtype): how often the loss scale's own search skips steps, what the controller
+    does about it, and the throughput with and without it (alternated: the machine is shared)."""
+    rows = []
+    for i, (name, config, flags) in enumerate(SIDE):
+        base = ["--config.policy=mixed_float16", "--config.activations=compute", *flags]
+        speeds, kept = {}, {}
+        for j, on in enumerate(("false", "true", "false", "true")):
+            out, records = cli(tmp / f"side{i}_{j}", [f"--config.adaptive_precision={on}",
+                               *base], steps, 0, config)  # fmt: skip
+            if out.returncode:
+                raise SystemExit(out.stderr[-2000:])
+            line = next(x for x in out.stdout.splitlines() if x.startswith("throughput"))
+            speeds.setdefault(on, []).append(float(line.split()[-1]))
+            kept[on] = records
+        per_module: dict[str, list[int]] = {}
+        for r in kind(kept["false"], "overflow"):
+            for m in r["grads_nonfinite"]:
+                per_module.setdefault(m, []).append(r["step"])
+        worst = max((max_in_window(v, 50) for v in per_module.values()), default=0)
+        metric = "perplexity" if config else "accuracy"
+
+        def final(on, what, kept=kept, metric=metric):
+            if what == "scale":
+                return kind(kept[on], "train")[-1]["loss_scale"]
+            return kind(kept[on], "eval")[-1][metric]
+
+        changes = [f"{c['module']} -> {c['to_dtype']} at {c['step']}"
+                   for c in kind(kept["true"], "precision_change")]  # fmt: skip
+        rows.append({
+            "run": name,
+            "skipped (off)": kind(kept["false"], "train")[-1]["skipped_steps"],
+            "most skips of one module in 50 steps (off)": worst,
+            "promotions (on)": ", ".join(changes) or "none",
+            "final loss scale off / on": f"{final('false', 'scale'):g} / {final('true', 'scale'):g}",
+            f"eval {metric} off / on": f"{final('false', 'm'):.4f} / {final('true', 'm'):.4f}",
+            "throughput on / off": f"{statistics.mean(speeds['true']) / statistics.mean(speeds['false']):.2f}x",
+        })  # fmt: skip
+    return rows
+
+
+def plot(curves, changes, path):
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, records in curves.items():
+        train = kind(records, "train")
+        steps = [r["step"] for r in train]
+        ax_loss.plot(steps, [r["loss"] for r in train], label=name)
+        if name.startswith("mixed_float16"):  # the others have no loss scale
+            ax_scale.plot(steps, [r["loss_scale"] for r in train], label=name)
+            stops = [r["step"] for r in train if name == "mixed_float16"][-1:]
+            for at in stops:  # plain fp16's loss is nan throughout: mark where it stopped
+                ax_loss.axvline(at, color="tab:green", linestyle="--")
+                ax_loss.annotate(f"mixed_float16 stopped at {at}", (at, 0.3), fontsize=8)
+    for c in changes:
+        for ax in (ax_loss, ax_scale):
+            ax.axvline(c["step"], color="grey", linestyle=":")
+        ax_loss.annotate(f"{c['module']} -> {c['to_dtype']}", (c["step"], 1.0), fontsize=8)
+    ax_loss.set(yscale="log", xlabel="step", ylabel="training loss (10-step mean; nan: gaps)",
+                title="seed CNN + fragile pre-norm block, seed 0")  # fmt: skip
+    ax_loss.legend(fontsize=8)
+    ax_scale.set(yscale="log", xlabel="step", ylabel="loss scale", title="dynamic loss scale")
+    ax_scale.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return True
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--side_steps", type=int, default=1000)
+    args = parser.parse_args()
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="adaptive_"))
+    results, curves, log = {}, {}, []
+    for seed in range(args.seeds):
+        for name, flags in RUNS.items():
+            out, records = cli(tmp / f"{name}_{seed}".replace(" ", ""), FRAGILE + flags,
+                               args.steps, seed)  # fmt: skip
+            results.setdefault(name, []).append(outcome(out, records))
+            if seed == 0:
+                curves[name] = records
+                if "adaptive" in name:
+                    log = [x for x in out.stderr.splitlines() if "now computes in" in x]
+                    changes = kind(records, "precision_change")
+                    summary = [x for x in out.stdout.splitlines() if x.startswith("precision")]
+                if name == "mixed_float16":
+                    first = kind(records, "overflow")[:1]
+    side = side_by_side(tmp, args.side_steps)
+    worst_key = "most skips of one module in 50 steps (off)"
+    ref = [a for a, _ in results["float32"]]
+    lines = [
+        "# Adaptive precision: a fragile pre-norm block under mixed_float16",
+        "",
+        f"Machine: {cpu_description()}; {versions('jax', 'flax')}. "
+        f"{datetime.date.today()}, `python experiments/adaptive_precision.py --steps {args.steps}"
+        f" --seeds {args.seeds}`. float32 here is true fp32 matmuls (CPU: no TF32).",
+        "",
+        f"Seed CNN on digits, `hidden_gain=1e5`, activations in the compute dtype, {args.steps} "
+        "steps, batch 64, Adam 1e-3; eval accuracy on the 360 test digits.",
+        "",
+        "| run | " + " | ".join(f"seed {s}" for s in range(args.seeds)) + " | vs float32 (mean) |",
+        "|---|" + "---|" * args.seeds + "---|",
+    ]
+    for name, rows in results.items():
+        cells = [f"{a:.4f}" if a is not None else how.replace("training ", "") for a, how in rows]
+        accs = [a for a, _ in rows]
+        diff = (
+            f"{statistics.mean(a - r for a, r in zip(accs, ref)) * 100:+.2f} points"
+            if None not in accs
+            else "—"
+        )
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {diff} |")
+    lines += [
+        "",
+        "Why plain fp16 fails, measured: the first skipped step's non-finite gradients were in "
+        f"{first[0]['grads_nonfinite'] if first else '—'} (all of them: the forward pass "
+        "overflowed); the adaptive run's per-module forward flags traced it to the module its "
+        "log names below.",
+        "",
+        "Promotion log of the adaptive run, seed 0 (console):",
+        "",
+        "```",
+        *log,
+        *summary,
+        "```",
+        "",
+        f"metrics.jsonl events: {json.dumps(changes)}",
+        "",
+        "## Without a forward-fragile block: what the loss scale skips, what the controller does",
+        "",
+        f"{args.side_steps} steps each, mixed_float16, activations in the compute dtype, adaptive "
+        "precision off and on (k = 6 of n = 50).",
+        "",
+        "| " + " | ".join(side[0]) + " |",
+        "|" + "---|" * len(side[0]),
+        *("| " + " | ".join(str(v) for v in row.values()) + " |" for row in side),
+        "",
+        "Choosing k: a skip the loss scale resolves (a growth that overflows, the search at the "
+        "start for a model whose modules all fit one scale) came at most "
+        f"{max(r[worst_key] for r in side if r['promotions (on)'] == 'none')} times per module "
+        "in a 50-step window here, so k = 6 leaves a margin; a module that overflows on every step "
+        "reaches k on the 6th step. The stem case is the other side of that line: its first "
+        "convolution alone overflows while the scale searches downward for it (all its skips "
+        "blame Conv_0 only), and without adaptation the whole model then trains at the scale "
+        "that one module fits (the final scales above); promoted to bfloat16 at the 6th such "
+        "step, it no longer constrains the scale. Throughput: examples/s of the run after its first step, two runs each, "
+        "alternated; the per-module forward flags themselves cost nothing measurable (a "
+        "jitted step with and without them: 0.90x-1.00x the time, noise); what costs on the "
+        "6.5 ms digits step is reading the metrics every k steps, and, when it promotes, one "
+        "more compile.",
+        "",
+    ]
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "adaptive_precision_cpu.md").write_text("\n".join(lines) + "\n")
+    plot(curves, changes, RESULTS / "adaptive_precision_cpu.png")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
