@@ -8,7 +8,8 @@ layer is drawn 1e5 times larger and layer-normalized after, a pre-norm projectio
 "massive activations" (large LMs grow such activations in their residual streams). The
 activations are carried in the compute dtype (`activations=compute`, the GPU default), so under
 mixed_float16 that layer's output passes float16's 65504 on every step, in that module only:
-measured below as the forward flags of the first skipped step. Four runs per seed, all the real
+seen below in the first skipped step's gradient flags (every module non-finite: the forward pass
+overflowed, so only the forward flags can say where). Four runs per seed, all the real
 program (`python -m jamp.train`): float32 (on CPU: true fp32 matmuls), mixed_bfloat16,
 mixed_float16 and mixed_float16 with `--config.adaptive_precision=true`.
 
@@ -29,6 +30,7 @@ import datetime
 import json
 import os
 import pathlib
+import runpy
 import statistics
 import subprocess
 import sys
@@ -37,6 +39,7 @@ import tempfile
 from _accuracy import RESULTS, ROOT, pyplot, versions
 from _xla import cpu_description
 
+ORDER = ("Conv_0", "Conv_1", "Dense_0", "LayerNorm_0", "Dense_1")  # the model's param groups
 FRAGILE = ["--config.model_config={'hidden_gain': 1e5}", "--config.activations=compute"]
 RUNS = {
     "float32": ["--config.policy=float32"],
@@ -137,6 +140,68 @@ def side_by_side(tmp, steps):
     return rows
 
 
+def flag_cost(reps=5, steps=50):
+    """The per-module forward flags' cost: the jitted train step with and without them, same
+    state and batch, alternated; median of `reps` timings of `steps` steps each."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jamp.step import make_train_step
+    from jamp.train import loop, tasks
+    from jamp.train.optim import make_optimizer
+
+    rows = []
+    for recipe in ("configs/default.py", "configs/lm_pydoc.py"):
+        config = runpy.run_path(str(ROOT / recipe))["get_config"]()
+        config.policy, config.activations = "mixed_float16", "compute"
+        run, data_cfg, optim_cfg, task = loop.parse_config(config)
+        dataset, model = loop.build_model(run, data_cfg, task)
+        tx, _ = make_optimizer(optim_cfg)
+        state = loop.init_state(model, tx, run.loss_scale, dataset.info, 0)
+        batch = next(dataset.train_batches(0))
+        batch = {k: jnp.asarray(v) for k, v in batch.items() if k != "mask"}
+        fns = {
+            on: jax.jit(make_train_step(tasks.make_loss_fn(model, task, forward_flags=on), tx))
+            for on in (False, True)
+        }
+        times = {False: [], True: []}
+        for fn in fns.values():  # compile both first
+            jax.block_until_ready(fn(state, batch, jax.random.key(0)))
+        for _ in range(reps):
+            for on, fn in fns.items():
+                s, t0 = state, time.perf_counter()
+                for _ in range(steps):
+                    s, _m = fn(s, batch, jax.random.key(0))
+                jax.block_until_ready(s)
+                times[on].append((time.perf_counter() - t0) / steps)
+        off, on = np.median(times[False]), np.median(times[True])
+        rows.append((recipe, off * 1e3, on * 1e3, on / off))
+    return rows
+
+
+def write_flag_cost():
+    rows = flag_cost()
+    lines = [
+        "# The per-module forward flags' cost (adaptive precision's per-step record)",
+        "",
+        f"Machine: {cpu_description()}; {versions('jax', 'flax')}. {datetime.date.today()}, "
+        "`python experiments/adaptive_precision.py --part flags`: the jitted train step "
+        "(mixed_float16, activations in the compute dtype) with and without "
+        "`make_loss_fn(..., forward_flags=True)`, same state and batch, alternated, median of 5 "
+        "x 50 steps.",
+        "",
+        "| recipe | step without (ms) | step with (ms) | with / without |",
+        "|---|---|---|---|",
+        *(f"| {r} | {a:.2f} | {b:.2f} | {c:.3f}x |" for r, a, b, c in rows),
+    ]
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "adaptive_precision_flags_cpu.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def plot(curves, changes, path):
     plt = pyplot()
     if plt is None:
@@ -171,7 +236,12 @@ def main():
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--side_steps", type=int, default=1000)
+    parser.add_argument("--part", choices=("all", "flags"), default="all",
+                        help="flags: only the forward flags' cost")  # fmt: skip
     args = parser.parse_args()
+    write_flag_cost()
+    if args.part == "flags":
+        return
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="adaptive_"))
     results, curves, log = {}, {}, []
     for seed in range(args.seeds):
@@ -215,9 +285,10 @@ def main():
     lines += [
         "",
         "Why plain fp16 fails, measured: the first skipped step's non-finite gradients were in "
-        f"{first[0]['grads_nonfinite'] if first else '—'} (all of them: the forward pass "
-        "overflowed); the adaptive run's per-module forward flags traced it to the module its "
-        "log names below.",
+        f"{first[0]['grads_nonfinite'] if first else '—'} "
+        f"({'all of them: the forward pass overflowed' if first and len(first[0]['grads_nonfinite']) == len(ORDER) else 'not all of them'}); "
+        "the adaptive run's per-module forward flags traced it to the module its log names "
+        "below.",
         "",
         "Promotion log of the adaptive run, seed 0 (console):",
         "",
@@ -248,7 +319,7 @@ def main():
         "step, it no longer constrains the scale. Throughput: examples/s of the run after its first step, two runs each, "
         "alternated; the per-module forward flags themselves cost nothing measurable (a "
         "jitted step with and without them: 0.90x-1.00x the time, noise); what costs on the "
-        "6.5 ms digits step is reading the metrics every k steps, and, when it promotes, one "
+        "digits step (a few ms) is reading the metrics every k steps, and, when it promotes, one "
         "more compile.",
         "",
     ]

@@ -13,10 +13,13 @@ One step's record is reduced to the modules it *blames* (`blame`):
 * a forward overflow (some module's output non-finite: the flags of
   `jamp.inspect.overflow.output_flags`) blames the module where it began, the first in call
   order whose output was non-finite;
-* otherwise, a backward overflow blames the modules whose gradients were non-finite
-  (`metrics["grads_finite_by_module"]`), provided some others were finite; when every module's
-  gradients overflowed with a finite forward pass, the loss scale was too large and finding a
-  smaller one is the loss scale's job: nothing is blamed.
+* otherwise, a backward overflow (some modules' gradients non-finite,
+  `metrics["grads_finite_by_module"]`, others finite) blames the last overflowed module in call
+  order, and, when the modules before it overflowed too (a non-finite input gradient flows back
+  into all of them), also the module after it, whose backward may have made that gradient: at
+  most one module more than necessary. When every module's gradients overflowed with a finite
+  forward pass, the loss scale was too large and finding a smaller one is the loss scale's job:
+  nothing is blamed.
 
 `Controller.observe` then promotes a module one rung up its ladder (float16 -> bfloat16 where the
 platform runs bfloat16 matmuls natively, else float32; fp8 -> bfloat16; bfloat16 -> float32) when
@@ -62,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import zlib
 from typing import Any, Mapping, Optional, Sequence
 
 import jax.numpy as jnp
@@ -98,6 +102,8 @@ class AdaptiveState:
       reason: int32[M], why it changed last (an index into `REASONS`).
       floor_blamed: bool[M], blamed on a skipped step at the loss scale's floor since the last
         decision.
+      fingerprint: int32, a checksum of the module paths: a restored state made for another model
+        (other modules, or the same number in another order) is refused by `Controller.check`.
       modules: the module paths, in the order of the arrays (static).
     """
 
@@ -107,6 +113,7 @@ class AdaptiveState:
     changed_at: Any
     reason: Any
     floor_blamed: Any
+    fingerprint: Any
     modules: tuple[str, ...] = struct.field(pytree_node=False, default=())
 
 
@@ -161,11 +168,14 @@ def blame(
         arrays or numbers, averaged flags count as finite only when exactly 1).
       forward_finite_by_module: `{module path: finite}` of every module's output on the same step
         (`jamp.inspect.overflow.output_flags`), or None where the step did not check them.
-      order: module paths in the order their calls finish; the forward flags' own order if None.
+      order: module paths in the order their calls finish (`jamp.module_policies`); without it
+        the forward flags' own order, and every overflowed gradient group is blamed.
 
     Returns:
-      The blamed module paths: the forward overflow's origin alone, or the gradient groups that
-      overflowed while others did not; empty when nothing can be blamed.
+      The blamed module paths: the forward overflow's origin alone; for a backward overflow
+      (some gradient groups non-finite, others not) the last overflowed group in call order, and
+      when the groups before it overflowed too (a non-finite input gradient flowing back) also
+      the module after it, whose backward may have made it; empty when nothing can be blamed.
     """
 
     def bad(flags):
@@ -179,9 +189,21 @@ def blame(
             named = [p for p in ranked if p]  # "" is the model itself: the whole model
             return (named[0],) if named else ()
     groups = bad(grads_finite_by_module)
-    if groups and len(groups) < len(grads_finite_by_module):
+    if not groups or len(groups) == len(grads_finite_by_module):
+        return ()
+    ranked = [p for p in (order or ()) if p in grads_finite_by_module]
+    if len(ranked) < len(grads_finite_by_module):  # no call order for every group
         return tuple(groups)
-    return ()
+    # A non-finite cotangent flows back into every module before the one whose backward made it,
+    # and that module's own weight gradient may stay finite: blame the last overflowed group in
+    # call order and the module after it (the one whose input gradient may have overflowed).
+    top = [p for p in order if p and "/" not in p]
+    last = max(groups, key=ranked.index)
+    after = top[top.index(last) + 1 : top.index(last) + 2] if last in top else []
+    earlier = [p for p in ranked[: ranked.index(last)]]
+    if not any(p in groups for p in earlier):  # it alone: its own weight gradient overflowed
+        return (last,)
+    return (last, *after)
 
 
 class Controller:
@@ -234,20 +256,28 @@ class Controller:
             changed_at=np.full(m, -1, np.int32),
             reason=np.zeros(m, np.int32),
             floor_blamed=np.zeros(m, bool),
+            fingerprint=self._fingerprint(),
             modules=self.modules,
         )
 
+    def _fingerprint(self) -> np.ndarray:
+        return np.int32(zlib.crc32("\n".join(self.modules).encode()) & 0x7FFFFFFF)
+
     def check(self, state: AdaptiveState) -> None:
         """Raises ValueError when `state` was made for other modules or another window."""
-        if tuple(state.modules) != self.modules or np.shape(state.history) != (
-            self.n,
-            len(self.modules),
+        if (
+            tuple(state.modules) != self.modules
+            or np.shape(state.history) != (self.n, len(self.modules))
+            or int(state.fingerprint) != int(self._fingerprint())
         ):
             raise ValueError("the adaptive-precision state belongs to another model or window n")
 
+    def _at(self, state: AdaptiveState, i: int) -> np.dtype:
+        # A state restored on a machine whose ladder is shorter (no native bf16): its top rung.
+        return self._ladders[i][min(int(state.rung[i]), len(self._ladders[i]) - 1)]
+
     def dtype_of(self, state: AdaptiveState, module: str) -> np.dtype:
-        i = self._index[module]
-        return self._ladders[i][int(state.rung[i])]
+        return self._at(state, self._index[module])
 
     def observe(
         self,
@@ -294,6 +324,7 @@ class Controller:
         changes = []
         for i, module in enumerate(self.modules):
             top = len(self._ladders[i]) - 1
+            rung[i] = min(rung[i], top)
             if rung[i] < top and counts[i] >= self.k:
                 why, move = 1, 1
             elif rung[i] < top and floor[i]:
@@ -329,7 +360,7 @@ class Controller:
             p
             for p in blamed
             if p in self._index
-            and int(state.rung[self._index[p]]) == len(self._ladders[self._index[p]]) - 1
+            and int(state.rung[self._index[p]]) >= len(self._ladders[self._index[p]]) - 1
         ]
 
     def overrides(self, state: AdaptiveState) -> dict[str, jmp.Policy]:
@@ -340,8 +371,7 @@ class Controller:
         moved = [(m, i) for i, m in enumerate(self.modules) if int(state.rung[i]) > 0]
         moved.sort(key=lambda mi: -mi[0].count("/"))
         return {
-            m: dataclasses.replace(self.policy, compute_dtype=self._ladders[i][int(state.rung[i])])
-            for m, i in moved
+            m: dataclasses.replace(self.policy, compute_dtype=self._at(state, i)) for m, i in moved
         }
 
     def promotions(self, state: AdaptiveState) -> list[str]:
@@ -351,7 +381,7 @@ class Controller:
         for i, module in enumerate(self.modules):
             if int(state.rung[i]) == 0 and int(state.changed_at[i]) < 0:
                 continue
-            start, now = self._ladders[i][0].name, self._ladders[i][int(state.rung[i])].name
+            start, now = self._ladders[i][0].name, self._at(state, i).name
             lines.append(
                 f"{module}: {start} -> {now} at step {int(state.changed_at[i])} "
                 f"({self._reason(int(state.reason[i]))})"

@@ -279,8 +279,8 @@ def module_policies(model: Wrapped, variables, *args, **kwargs) -> dict[str, jmp
 
     Example::
 
-      model.module_policies  # {"Conv_0": <mixed_float16>, "LayerNorm_0": <float32>, ...}
-      dtypes = {p: pol.compute_dtype for p, pol in module_policies(model, variables, x).items()}
+      policies = jamp.module_policies(model, variables, x)  # {"Conv_0": Policy(...), ...}
+      dtypes = {path: policy.compute_dtype for path, policy in policies.items()}
     """
     if not isinstance(model, Wrapped):
         raise TypeError(f"module_policies takes a jamp.wrap-ped linen module, got {type(model)}")

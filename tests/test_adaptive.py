@@ -37,9 +37,39 @@ def test_blame_backward_overflow_names_the_groups_unless_all_overflowed():
     grads = {"Conv_0": 0.0, "Dense_0": 1.0, "Dense_1": 1.0}
     assert adaptive.blame(grads, forward) == ("Conv_0",)
     assert adaptive.blame(grads) == ("Conv_0",)
+    order = ["Conv_0", "Dense_0", "LayerNorm_0", "Dense_1", ""]
+    # a weight gradient alone: that module
+    assert adaptive.blame({"Conv_0": 1.0, "Dense_0": 0.0, "Dense_1": 1.0}, forward, order) == (
+        "Dense_0",
+    )
     # every group: the loss scale was too large, its own business
     assert adaptive.blame({"Conv_0": 0.0, "Dense_0": 0.0}, forward) == ()
     assert adaptive.blame({"Conv_0": np.array([1, 1]), "Dense_0": np.array([1, 1])}) == ()
+
+
+def test_blame_backward_overflow_that_flows_back_names_its_boundary():
+    # Three float16 Dense layers whose last one's input gradient (dy @ W.T) overflows: its own
+    # weight gradient is finite, every module before it is not. The gradient flags alone would
+    # blame the innocent Dense_0 and Dense_1; in call order the boundary is Dense_1 | Dense_2.
+    import flax.linen as nn
+
+    class Three(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(8)(x)
+            x = nn.Dense(8)(x)
+            big = nn.initializers.constant(3e4)
+            return nn.Dense(4, kernel_init=big)(x)
+
+    model = jamp.wrap(Three(), "mixed_float16")
+    x = jnp.ones((2, 8))
+    variables = model.init(jax.random.key(0), x)
+    order = list(module_policies(model, variables, x))
+    grads = jax.grad(lambda p: model.apply({"params": p}, x).sum() * 1e3)(variables["params"])
+    flags = jamp.finite_by_group(grads)
+    assert [bool(flags[k]) for k in ("Dense_0", "Dense_1", "Dense_2")] == [False, False, True]
+    assert adaptive.blame(flags, None, order) == ("Dense_1", "Dense_2")
+    assert adaptive.blame(flags) == ("Dense_0", "Dense_1")  # no call order: the groups
 
 
 def _controller(**kw):
@@ -102,25 +132,30 @@ def test_controller_float32_modules_are_exhausted_not_promoted():
     assert changes == [] and ctl.exhausted(state, ("LayerNorm_0",)) == ["LayerNorm_0"]
 
 
-def test_controller_decides_the_same_whenever_its_steps_are_observed():
-    # The program reads a window of steps at a time and decides at fixed steps: the decision
-    # depends on the steps only, not on how they were batched.
-    ctl = _controller(k=3, n=10)
-    one = ctl.init()
-    for step in range(1, 7):
-        blamed = ("Dense_1",) if step % 2 == 0 else ()
-        one = ctl.observe(one, step, skipped=bool(blamed), at_floor=False, blamed=blamed)
-    one, changes_a = ctl.decide(one, 6)
-    two, changes_b = ctl.init(), []
-    for step in range(1, 7):
-        blamed = ("Dense_1",) if step % 2 == 0 else ()
-        two = ctl.observe(two, step, skipped=bool(blamed), at_floor=False, blamed=blamed)
-        if step % 3 == 0:
-            two, new = ctl.decide(two, step)
-            changes_b += new
-    assert changes_a == changes_b and [c.step for c in changes_a] == [6]
-    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two)):
-        np.testing.assert_array_equal(a, b)
+def test_controller_resumed_from_its_checkpointed_state_decides_as_if_never_stopped():
+    # The program decides every k steps; a run restored from the state saved at step 6 must
+    # promote at step 9 exactly as the uninterrupted one, from the blames before the stop.
+    ctl = _controller(k=5, n=10)
+
+    def steps(state, first, last):
+        changes = []
+        for step in range(first, last + 1):
+            blamed = ("Dense_1",) if step % 3 else ()
+            state = ctl.observe(state, step, skipped=bool(blamed), at_floor=False, blamed=blamed)
+            if step % 3 == 0:
+                state, new = ctl.decide(state, step)
+                changes += new
+        return state, changes
+
+    whole, changes = steps(ctl.init(), 1, 12)
+    saved, before = steps(ctl.init(), 1, 6)
+    leaves, treedef = jax.tree.flatten(saved)
+    restored = jax.tree.unflatten(treedef, [np.array(x) for x in jax.device_get(leaves)])
+    ctl.check(restored)
+    resumed, after = steps(restored, 7, 12)
+    assert before == [] and [c.step for c in changes] == [9] and after == changes
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(resumed)):
+        np.testing.assert_array_equal(a, b, strict=True)
 
 
 def test_controller_demotes_after_m_clean_steps_only_when_asked():
@@ -151,6 +186,10 @@ def test_controller_state_survives_tree_round_trips_and_jit():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), strict=True)
     with pytest.raises(ValueError, match="another model"):
         _controller(k=2, n=6).check(state)
+    # the same number of modules in another order: the fingerprint tells
+    other = adaptive.Controller("mixed_float16", MODULES[::-1], k=2, n=5)
+    with pytest.raises(ValueError, match="another model"):
+        other.check(state.replace(modules=other.modules))
 
 
 def test_controller_rejects_bad_windows():

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Mapping, Optional
 
 import flax.linen as nn
 import jax
@@ -108,7 +108,7 @@ def output_flags(tree, prefix=()) -> dict[str, jax.Array]:
                 flags["/".join(prefix)] = jnp.all(
                     jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
                 )
-        else:
+        elif isinstance(value, Mapping):  # a submodule; other sown values are not outputs
             flags.update(output_flags(value, prefix + (str(key),)))
     return flags
 

@@ -36,17 +36,34 @@ def layout(model, info) -> tuple[dict, list[str]]:
     x = _dummy(info)
     variables = jax.eval_shape(lambda: model.init(jax.random.key(0), x, train=False))
     if not isinstance(model, Wrapped):
-        top = []
-        for key, value in variables["params"].items():
-            items = list(value) if isinstance(value, dict) else []
-            if items and all(str(i).isdigit() for i in items):
-                top += [f"{key}/{i}" for i in sorted(items, key=int)]
-            else:
-                top.append(str(key))
-        return {}, top
+        return {}, _nnx_top_level(model, x)
     policies = module_policies(model, variables, x, train=False)
     dtypes = {path: np.dtype(p.compute_dtype) for path, p in policies.items()}
     return dtypes, [p for p in policies if p and "/" not in p]
+
+
+def _nnx_top_level(view, x) -> list[str]:
+    """An NNX model's submodule attributes in the order its constructor assigned them (a list
+    of modules as its items, `blocks/0` ...): its variables' own order is alphabetical."""
+    from flax import nnx
+
+    names: list[str] = []
+
+    def build():
+        module = view.spec.build(tuple(x.shape[1:]), nnx.Rngs(0))
+        for key, value in vars(module).items():
+            if isinstance(value, nnx.Module):
+                names.append(key)
+            elif (
+                isinstance(value, (list, tuple, nnx.List))
+                and value
+                and all(isinstance(v, nnx.Module) for v in value)
+            ):
+                names.extend(f"{key}/{i}" for i in range(len(value)))
+        return 0
+
+    jax.eval_shape(build)
+    return names
 
 
 def rewrap(model, overrides):
@@ -77,28 +94,38 @@ class Adapting:
         self.order = [p for p in dtypes]  # call finish order, for the forward flags
         self.k = k
         self.checkpoint_every = run.checkpoint_every_steps
-        self.last_step = run.num_train_steps
         self.static = dict(static)
         self.base = model
         self.model = model
         self.pending: list = []  # (step, device metrics) not yet observed
+        # Only a dynamic scale has a floor to fall to; under a static or no scale every skip
+        # counts towards k of n like any other.
         self._floor = (
             np.float32(run.loss_scale.min_loss_scale)
             if isinstance(run.loss_scale, DynamicLossScale)
-            else np.float32(np.inf)
+            else None
         )
+        self._initial_scale = np.float32(run.loss_scale.loss_scale)
+        self._scale = self._initial_scale  # the scale the next step runs with
         self.last_blamed: tuple[str, ...] = ()
         self.ctl = self.controller.init()  # the controller state; the device copy is stale
 
     def init_state(self) -> adaptive.AdaptiveState:
         return self.ctl
 
-    def resume(self, state) -> None:
-        """Takes the controller state of a restored TrainState and rebuilds the model with it."""
-        ctl = jax.tree.map(np.asarray, jax.device_get(state.adaptive_state))
+    def resume(self, state):
+        """Takes the controller state of a restored TrainState and rebuilds the model with it;
+        returns the state with the controller state in it (a fresh one when the checkpoint was
+        written without adaptive precision)."""
+        self._scale = np.float32(jax.device_get(state.loss_scale.loss_scale))
+        restored = state.adaptive_state
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(restored)):
+            return state.replace(adaptive_state=self.ctl)  # switched on for this run: fresh
+        ctl = jax.tree.map(np.asarray, jax.device_get(restored))
         self.controller.check(ctl)
         self.ctl = ctl
         self._rebuild(ctl)
+        return state
 
     def with_state(self, host_state):
         """`host_state` carrying the controller's current state, for a checkpoint."""
@@ -112,7 +139,9 @@ class Adapting:
         self.pending.append((step, {k: metrics[k] for k in _READ if k in metrics}))
 
     def due(self, step: int) -> bool:
-        return step % self.k == 0 or step % self.checkpoint_every == 0 or step == self.last_step
+        """Whether to decide after `step`: every k steps and at checkpoints (absolute steps, so
+        a resumed run decides where the original did); the run's last step only records."""
+        return step % self.k == 0 or step % self.checkpoint_every == 0
 
     def observe(self, fetch) -> None:
         """Records the pending steps in the controller state (no decision)."""
@@ -125,7 +154,9 @@ class Adapting:
             if skipped:
                 blamed = adaptive.blame(m.get(BY_MODULE, {}), m.get(FORWARD), self.order)
                 self.last_blamed = blamed or self.last_blamed
-            at_floor = skipped and np.float32(m["loss_scale"]) <= self._floor
+            # the scale this step ran with, not the one it adjusted to
+            at_floor = skipped and self._floor is not None and self._scale <= self._floor
+            self._scale = np.float32(m["loss_scale"])
             ctl = self.controller.observe(
                 ctl, step, skipped=skipped, at_floor=at_floor, blamed=blamed
             )
@@ -138,15 +169,13 @@ class Adapting:
         self.ctl, changes = self.controller.decide(self.ctl, step)
         if changes:
             self._rebuild(self.ctl)
+            self._scale = self._initial_scale  # the loop starts the scale afresh
         return changes
 
     def why_stuck(self) -> str | None:
         """For the persistent-overflow stop: what adaptive precision could not do."""
         if not self.last_blamed:
-            return (
-                "adaptive precision could not trace the overflow to a module (every gradient "
-                "overflowed with a finite forward pass)"
-            )
+            return "adaptive precision could not trace the overflow to a module"
         if self.nothing_left():
             return (
                 f"adaptive precision has nothing left to promote: {', '.join(self.last_blamed)} computes in "

@@ -160,6 +160,21 @@ def _fields_added_since(target: Any, stored_tree: Any) -> list[str]:
     ]
 
 
+#: TrainState fields a run may switch on between restarts (a fresh value is kept then).
+OPTIONAL_FIELDS = ("adaptive_state",)
+
+
+def _switched_on(target: Any, stored_tree: Any) -> list[str]:
+    """OPTIONAL_FIELDS that `target` has and the checkpoint's tree does not."""
+    if not dataclasses.is_dataclass(target) or not isinstance(stored_tree, dict):
+        return []
+    return [
+        name
+        for name in OPTIONAL_FIELDS
+        if getattr(target, name, None) is not None and not stored_tree.get(name)
+    ]
+
+
 def _abstract(target: Any) -> Any:
     """The target as shapes, dtypes and shardings; static pytree data is kept as it is."""
     default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -424,6 +439,25 @@ class Checkpointer:
     def _restore_step(self, step: int, abstract: Any, wanted: dict) -> TrainState:
         stored = self._manager.metadata(step).item_metadata
         stored_tree = getattr(stored, "tree", stored)
+        switched = _switched_on(abstract, stored_tree)
+        if switched:  # e.g. adaptive precision turned on to resume a run that had it off
+            fields = {f.name: getattr(abstract, f.name) for f in dataclasses.fields(abstract)}
+            kept = {k: v for k, v in fields.items() if k not in switched}
+            kept.update({k: None for k in switched if k in stored_tree})  # saved as None
+            wanted = _leaf_specs(abstract.replace(**{k: None for k in switched}))
+            mismatch = _describe_mismatch(_leaf_specs(stored_tree), wanted)
+            if mismatch is None:
+                restored = self._manager.restore(step, args=ocp.args.StandardRestore(kept))
+                restored = {**_agree(restored), **{k: fields[k] for k in switched}}
+                return abstract.replace(**restored)
+        if isinstance(stored_tree, dict):
+            for name in OPTIONAL_FIELDS:
+                if getattr(abstract, name, None) is None and stored_tree.get(name):
+                    raise CheckpointError(
+                        f"checkpoint at step {step} in {self.directory} holds {name} (adaptive "
+                        "precision's promotions); resume it with "
+                        "--config.adaptive_precision=true, or use another --workdir"
+                    )
         # Without the tree metadata (a damaged checkpoint) Orbax's own checks have to do.
         if stored_tree is not None:
             mismatch = _describe_mismatch(_leaf_specs(stored_tree), wanted)

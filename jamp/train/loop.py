@@ -279,7 +279,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
             state = ckpt.restore(_restore_target(run, state), set_aside_damaged=True)
             print(f"resuming from the checkpoint at step {int(state.step)}", flush=True)
             if adapt is not None:  # the promotions made before the checkpoint hold again
-                adapt.resume(state)
+                state = adapt.resume(state)
         notes = run_log.hardware_notes(config.policy, run.policy)
         start = int(state.step)
         primary = jax.process_index() == 0  # the others hold the same averaged metrics
@@ -380,11 +380,11 @@ def _train(
                 if changes:  # a new model: the step is built and compiled once more
                     run_log.note_precision_changes(changes, writer, bar)
                     model = adapt.model
-                    # Promoted, the module no longer forces the scale down: start it afresh.
-                    host = placement.host(state).replace(loss_scale=run.loss_scale)
-                    placement = _placement(run, train_step_fn, eval_fn, host)
+                    # Promoted, the module no longer forces the scale down: start it afresh,
+                    # placed like the scale it replaces (the rest of the state stays put).
+                    state = state.replace(loss_scale=_placed_like(run, run.loss_scale, state))
+                    placement = _placement(run, train_step_fn, eval_fn, state)
                     p_train_step = placement.train_step
-                    state = placement.place(host)
         if run.trace_nonfinite and not bool(np.all(jax.device_get(metrics["grads_finite"]))):
             # Costs a wait for the device every step, and a forward pass on skipped ones only.
             run_log.trace_overflow(
@@ -419,7 +419,7 @@ def _train(
         window_start += time.perf_counter() - hook_start  # hooks are not training throughput
     if bar is not None:
         bar.close()
-    if adapt is not None and adapt.pending:  # stopped early: recorded, decided after the resume
+    if adapt is not None and adapt.pending:  # the last steps: recorded for a resume, not decided
         adapt.observe(placement.fetch)
     final = _savable(placement.host(state), adapt)
     if checkpointer.latest_step() != step:
@@ -440,6 +440,16 @@ def _train(
     if adapt is not None:
         summary["precision changes"] = adapt.summary()
     return summary
+
+
+def _placed_like(run, loss_scale, state):
+    """`loss_scale` (host values) placed like `state.loss_scale`: replicated under pmap; with the
+    mesh's replicated shardings when sharded (every process holds the same values, so this
+    works across processes, where copying the whole state through the host would not)."""
+    if run.parallelism != "sharded":
+        return parallel.replicate(loss_scale)
+    shardings = jax.tree.map(lambda x: x.sharding, state.loss_scale)
+    return jax.device_put(jax.tree.map(np.asarray, loss_scale), shardings)
 
 
 def _savable(host_state, adapt):

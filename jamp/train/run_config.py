@@ -219,6 +219,11 @@ def _adaptive(config, policy):
             f"adaptive_precision reads each module's forward output, which needs a linen model; "
             f"{config.model!r} is an NNX model (keep_in_float32 places NNX modules statically)"
         )
+    if config.get("profile_steps", 0):
+        raise ConfigError(
+            "adaptive_precision reads every step's metrics, and profiled steps log none: use "
+            "profile_steps in a run without adaptive_precision"
+        )
     if precision.is_fp8(policy):
         raise ConfigError(
             "adaptive_precision runs with float16 and bfloat16 policies; under an fp8 policy "
