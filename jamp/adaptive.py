@@ -200,7 +200,7 @@ def blame(
     top = [p for p in order if p and "/" not in p]
     last = max(groups, key=ranked.index)
     after = top[top.index(last) + 1 : top.index(last) + 2] if last in top else []
-    earlier = [p for p in ranked[: ranked.index(last)]]
+    earlier = ranked[: ranked.index(last)]
     if not any(p in groups for p in earlier):  # it alone: its own weight gradient overflowed
         return (last,)
     return (last, *after)
