@@ -57,3 +57,85 @@ def recipe_state(data_dir, overrides=None, recipe: str = "default"):
     return loop.init_state(
         model, tx, run.loss_scale, dataset.info, run.seed, run.fp8, adaptive_state=adaptive_state
     )
+
+
+# The server behind `ForkedCli`: imports the program once, then per request forks a child that
+# runs it as `python -m jamp.train <args>` would (its own argv, stdout and stderr, exit status).
+_SERVER = r"""
+import json, os, sys, threading, traceback
+sys.argv = ["jamp.train"]
+import jamp.train.cli as cli
+import jamp.train.loop, jamp.train.data.digits  # what every run imports: paid once, not per run
+assert threading.active_count() == 1, threading.enumerate()  # so that fork is safe
+import jax._src.xla_bridge as xb
+assert not xb._backends, "a JAX backend is up before the fork"
+protocol = os.fdopen(os.dup(1), "w")
+for line in sys.stdin:
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.chdir(request["cwd"])
+            for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+            sys.argv = ["jamp.train", *request["args"]]
+            try:
+                cli.run()
+                code = 0
+            except SystemExit as e:
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+            except BaseException:
+                traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps(os.waitstatus_to_exitcode(status)), file=protocol, flush=True)
+"""
+
+
+class ForkedCli:
+    """`python -m jamp.train` for runs that end before training (bad input), ~5x faster.
+
+    Each run is a fork of one server process that has imported the program but started no JAX
+    backend and no thread: the run parses its own command line, builds what it needs and exits
+    with its own status, as a fresh process would; only the imports (~3 s a run here) are shared.
+    """
+
+    def __init__(self, devices: int, cwd, tmp_dir):
+        import subprocess
+        import sys
+
+        self._cwd, self._tmp, self._count = str(cwd), tmp_dir, 0
+        self._server = subprocess.Popen(
+            [sys.executable, "-c", _SERVER],
+            cwd=self._cwd,
+            env=cli_env(devices),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def run(self, args, timeout: float = 300):
+        import json
+        import select
+        import subprocess
+
+        self._count += 1
+        out, err = (self._tmp / f"run{self._count}.{name}" for name in ("out", "err"))
+        request = {"args": list(args), "cwd": self._cwd, "stdout": str(out), "stderr": str(err)}
+        self._server.stdin.write(json.dumps(request) + "\n")
+        self._server.stdin.flush()
+        ready, _, _ = select.select([self._server.stdout], [], [], timeout)
+        line = self._server.stdout.readline() if ready else ""
+        if not line:
+            raise RuntimeError(f"the forked CLI server did not answer for {args}")
+        return subprocess.CompletedProcess(args, json.loads(line), out.read_text(), err.read_text())
+
+    def close(self):
+        self._server.stdin.close()
+        self._server.wait(timeout=60)

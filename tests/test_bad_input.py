@@ -143,7 +143,7 @@ def workdir(tmp_path):
 
 @pytest.mark.parametrize("args, needle", list(_cases()))
 def test_bad_input_is_one_line_nonzero_and_changes_nothing(
-    args, needle, workdir, data_dir, tmp_path
+    args, needle, workdir, data_dir, tmp_path, forked_cli
 ):
     a_file = tmp_path / "a_file"
     a_file.write_text("a regular file\n")
@@ -152,16 +152,16 @@ def test_bad_input_is_one_line_nonzero_and_changes_nothing(
     recipe = [arg for arg in args if arg.startswith("--config=")] or [SMOKE]
     rest = [arg for arg in args if not arg.startswith("--config=")]
     before = _snapshot(tmp_path)
-    out = _cli([*recipe, f"--workdir={workdir}", f"--config.data_dir={data_dir}", *rest])
+    out = forked_cli([*recipe, f"--workdir={workdir}", f"--config.data_dir={data_dir}", *rest], 8)
     _assert_one_line_error(out, needle)
     assert _snapshot(tmp_path) == before
 
 
-def test_bad_input_workdir_under_a_regular_file(tmp_path, data_dir):
+def test_bad_input_workdir_under_a_regular_file(tmp_path, data_dir, forked_cli):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory\n")
     before = _snapshot(tmp_path)
-    out = _cli([SMOKE, f"--workdir={blocker / 'run'}", f"--config.data_dir={data_dir}"])
+    out = forked_cli([SMOKE, f"--workdir={blocker / 'run'}", f"--config.data_dir={data_dir}"], 8)
     _assert_one_line_error(out, "not a directory")
     assert _snapshot(tmp_path) == before
 
@@ -187,9 +187,13 @@ def trained_workdir(tmp_path_factory, data_dir):
     ],
     ids=["other_model", "other_image_size", "other_param_dtype", "other_loss_scale"],
 )
-def test_bad_input_checkpoint_of_another_config_is_refused(args, needle, trained_workdir, data_dir):
+def test_bad_input_checkpoint_of_another_config_is_refused(
+    args, needle, trained_workdir, data_dir, forked_cli
+):
     before = _snapshot(trained_workdir)
-    out = _cli([SMOKE, f"--workdir={trained_workdir}", f"--config.data_dir={data_dir}", *args])
+    out = forked_cli(
+        [SMOKE, f"--workdir={trained_workdir}", f"--config.data_dir={data_dir}", *args], 8
+    )
     line = _assert_one_line_error(out, needle)
     assert "checkpoint" in line
     assert _snapshot(trained_workdir) == before

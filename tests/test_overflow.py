@@ -477,10 +477,10 @@ def test_overflow_watch_compares_the_floor_in_fp32():
     assert watch.update([step_metrics(False, np.float32(0.1), 1)], 1) is not None
 
 
-def _cli(workdir, *extra):
-    """Runs the training program on small synthetic images; every step overflows unless `extra`
+def _args(workdir, *extra):
+    """The training program on small synthetic images; every step overflows unless `extra`
     changes the loss scale: a static scale of 1e30 overflows fp16 on every backward pass."""
-    args = [
+    return [
         "--config=configs/synthetic.py:smoke",
         f"--workdir={workdir}",
         "--config.image_shape=(8, 8, 1)",
@@ -493,8 +493,11 @@ def _cli(workdir, *extra):
         "--config.loss_scale_params.initial=1e30",
         *extra,
     ]
+
+
+def _cli(workdir, *extra):
     return subprocess.run(
-        [sys.executable, "-m", "jamp.train", *args],
+        [sys.executable, "-m", "jamp.train", *_args(workdir, *extra)],
         cwd=ROOT,
         env=cli_env(),
         capture_output=True,
@@ -570,8 +573,8 @@ def test_train_persistent_overflow_warn_warns_and_finishes(tmp_path):
         ("--config.persistent_overflow_steps=0", "persistent_overflow_steps"),
     ],
 )
-def test_train_persistent_overflow_config_rejects_bad_values(arg, needle, tmp_path):
-    out = _cli(tmp_path / "run", arg)
+def test_train_persistent_overflow_config_rejects_bad_values(arg, needle, tmp_path, forked_cli):
+    out = forked_cli(_args(tmp_path / "run", arg))
     assert out.returncode == 2
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in out.stderr

@@ -238,11 +238,9 @@ ERRORS = [
 
 
 @pytest.mark.parametrize("args,needle", ERRORS, ids=[e[1] for e in ERRORS])
-def test_train_bad_input_is_one_line_and_nonzero_exit(args, needle, tmp_path, data_dir):
+def test_train_bad_input_is_one_line_and_nonzero_exit(args, needle, tmp_path, data_dir, forked_cli):
     workdir = tmp_path / "w"
-    out = _cli(
-        [*args, f"--workdir={workdir}", f"--config.data_dir={data_dir}"], devices=8, check=False
-    )
+    out = forked_cli([*args, f"--workdir={workdir}", f"--config.data_dir={data_dir}"], 8)
     assert out.returncode != 0
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, out.stderr[-3000:]
@@ -265,10 +263,10 @@ def test_train_bad_matmul_lowering_variable_is_one_line(tmp_path, data_dir):
     assert not (tmp_path / "w").exists()
 
 
-def test_train_unwritable_workdir_is_one_line(tmp_path, data_dir):
+def test_train_unwritable_workdir_is_one_line(tmp_path, data_dir, forked_cli):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    out = _cli([f"--workdir={blocker / 'run'}", f"--config.data_dir={data_dir}"], check=False)
+    out = forked_cli([f"--workdir={blocker / 'run'}", f"--config.data_dir={data_dir}"])
     assert out.returncode != 0 and "not writable" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
     assert blocker.read_text() == "not a directory"
