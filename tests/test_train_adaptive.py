@@ -75,19 +75,24 @@ def _summary(stdout, row):
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("tfds")
+    # Prepared here, so that no test's stderr depends on whether it was the first to need it.
+    from jamp.train.data import prepare_digits
+
+    path = tmp_path_factory.mktemp("tfds")
+    prepare_digits(str(path))
+    return path
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_dir):
-    """The fragile model for 300 steps: adaptive fp16, and float32."""
+    """The fragile model for 300 steps on one device: adaptive fp16, and float32."""
     out = {}
     for name, flags in (
         ("adaptive", {"adaptive_precision": "true"}),
         ("float32", {"policy": "float32"}),
     ):
         workdir = tmp_path_factory.mktemp(name) / "run"
-        result = _cli(workdir, data_dir, num_train_steps=300, **flags)
+        result = _cli(workdir, data_dir, 1, num_train_steps=300, **flags)
         assert result.returncode == 0, result.stderr[-3000:]
         out[name] = (workdir, result)
     return out
@@ -209,17 +214,16 @@ def test_adaptive_precision_can_be_switched_on_to_resume_a_run(tmp_path, data_di
     assert out.returncode != 0 and "--config.adaptive_precision=true" in lines[-1], out.stderr
 
 
-def test_every_replica_and_the_sharded_step_promote_at_the_same_step(tmp_path, data_dir):
-    steps = {}
-    for name, devices, flags in (
-        ("one", 1, {}),
-        ("pmap8", 8, {}),
-        ("sharded", 8, {"parallelism": "sharded", "mesh": "data=2,fsdp=4"}),
+def test_every_replica_and_the_sharded_step_promote_at_the_same_step(runs, tmp_path, data_dir):
+    # The same first 12 steps as the one-device run of `runs`, over 8 replicas and sharded.
+    changes = _records(runs["adaptive"][0], "precision_change")
+    steps = {"one": [(c["step"], c["module"]) for c in changes if c["step"] < 12]}
+    for name, flags in (
+        ("pmap8", {}),
+        ("sharded", {"parallelism": "sharded", "mesh": "data=2,fsdp=4"}),
     ):
         workdir = tmp_path / name
-        out = _cli(
-            workdir, data_dir, devices, adaptive_precision="true", num_train_steps=12, **flags
-        )
+        out = _cli(workdir, data_dir, 8, adaptive_precision="true", num_train_steps=12, **flags)
         assert out.returncode == 0, out.stderr[-3000:]
         steps[name] = [(c["step"], c["module"]) for c in _records(workdir, "precision_change")]
     assert steps["one"] and steps["one"] == steps["pmap8"] == steps["sharded"], steps
@@ -260,22 +264,14 @@ ON = "--config.adaptive_precision=true"
         ([ON, "--config.policy=mixed_fp8"], ["fp8", "keep_in_float32"]),
     ],
 )
-def test_bad_adaptive_flags_get_one_line(tmp_path, data_dir, flags, words):
-    out = subprocess.run(
+def test_bad_adaptive_flags_get_one_line(tmp_path, data_dir, flags, words, forked_cli):
+    out = forked_cli(
         [
-            sys.executable,
-            "-m",
-            "jamp.train",
             "--config=configs/default.py:smoke",
             f"--workdir={tmp_path / 'run'}",
             f"--config.data_dir={data_dir}",
             *flags,
-        ],
-        cwd=ROOT,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
+        ]
     )
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 2 and len(lines) == 1, out.stderr
