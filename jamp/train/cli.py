@@ -39,7 +39,11 @@ RECIPES_DIR = next(
 DEFAULT_CONFIG = RECIPES_DIR / "default.py"
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3  # training stopped making progress (see configs/default.py)
-_LOG_NOISE = ("OpenCV is not installed", "Grain multiprocess worker profiling requires")
+_LOG_NOISE = (
+    "OpenCV is not installed",
+    "Grain multiprocess worker profiling requires",
+    "has no dataset_info.json",
+)
 
 # A multi-process run: jax.distributed joins the processes, and pmap then spans all their devices.
 _COORDINATOR = flags.DEFINE_string(
@@ -173,7 +177,8 @@ def main(argv: list[str], config, workdir) -> None:
     # Orbax and tfds log every save and read at INFO; the progress bar and metrics say enough.
     logging.set_verbosity(logging.WARNING)
     # Advice that is noise here: tfds suggests installing OpenCV on every run that decodes images
-    # (PIL is fast enough), and grain on jaxlib 0.10 says its worker profiling needs jaxlib 0.11.
+    # (PIL is fast enough), grain on jaxlib 0.10 says its worker profiling needs jaxlib 0.11, and
+    # tfds warns that a dataset about to be prepared for the first time has no info file yet.
     logging.get_absl_handler().addFilter(
         lambda r: not any(noise in r.getMessage() for noise in _LOG_NOISE)
     )
