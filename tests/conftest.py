@@ -9,12 +9,12 @@ and again: one persistent compilation cache for the session, fresh each session,
 
 import atexit
 import os
-import pathlib
 import shutil
 import tempfile
 
 import pytest
-from subproc import ForkedCli, xla_flags
+import subproc
+from subproc import xla_flags
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="jamp-tests-jax-cache-")
@@ -34,16 +34,7 @@ os.environ.setdefault("JAMP_MATMUL_LOWERING", "native")
 
 
 @pytest.fixture(scope="session")
-def forked_cli(tmp_path_factory):
-    """`forked_cli(args, devices=2)`: the training program's CompletedProcess for a run that ends
-    before it trains (bad input), from `subproc.ForkedCli` (one server per device count)."""
-    root, servers = pathlib.Path(__file__).resolve().parents[1], {}
-
-    def run(args, devices=2, timeout=300):
-        if devices not in servers:
-            servers[devices] = ForkedCli(devices, root, tmp_path_factory.mktemp("forked_cli"))
-        return servers[devices].run(args, timeout)
-
-    yield run
-    for server in servers.values():
-        server.close()
+def forked_cli():
+    """`forked_cli(args, devices=2)`: `subproc.forked_cli`, the training program's CompletedProcess
+    from a fork of a process that has imported it."""
+    return subproc.forked_cli

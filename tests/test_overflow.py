@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from subproc import cli_env
+from subproc import cli_env, forked_cli
 
 import jamp
 from jamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
@@ -496,14 +496,7 @@ def _args(workdir, *extra):
 
 
 def _cli(workdir, *extra):
-    return subprocess.run(
-        [sys.executable, "-m", "jamp.train", *_args(workdir, *extra)],
-        cwd=ROOT,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return forked_cli(_args(workdir, *extra))
 
 
 def _train_records(workdir):

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from subproc import cli_env
+from subproc import cli_env, forked_cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Recipes on tfds datasets that need a download; the offline ones (default, lm_pydoc) have own tests.
@@ -40,15 +40,17 @@ with mock_tfds(num_examples=48):
 
 
 def _cli(args, *, mocked=False, devices=2, timeout=600, check=True):
-    cmd = [sys.executable, "-c", MOCKED] if mocked else [sys.executable, "-m", "jamp.train"]
-    out = subprocess.run(
-        cmd + list(args),
-        cwd=ROOT,
-        env=cli_env(devices),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    if mocked:
+        out = subprocess.run(
+            [sys.executable, "-c", MOCKED, *args],
+            cwd=ROOT,
+            env=cli_env(devices),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    else:  # `python -m jamp.train`, forked from a process that has imported it
+        out = forked_cli(args, devices, timeout)
     if check:
         assert out.returncode == 0, out.stderr[-4000:]
     return out

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from subproc import cli_env, recipe_state
+from subproc import cli_env, forked_cli, recipe_state
 
 from jamp import hardware
 from jamp.train.checkpoint import Checkpointer
@@ -52,14 +52,7 @@ def _command(workdir, data_dir, **overrides):
 
 
 def _cli(workdir, data_dir, devices=2, **overrides):
-    return subprocess.run(
-        _command(workdir, data_dir, **overrides),
-        cwd=ROOT,
-        env=cli_env(devices),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return forked_cli(_command(workdir, data_dir, **overrides)[3:], devices)
 
 
 def _records(workdir, kind):

@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from subproc import cli_env, recipe_state
+from subproc import cli_env, forked_cli, recipe_state
 
 from jamp.train.checkpoint import Checkpointer
 
@@ -45,14 +45,7 @@ def _command(workdir, data_dir, *extra, steps=STEPS):
 
 
 def _run(workdir, data_dir, *extra, steps=STEPS, devices=8):
-    out = subprocess.run(
-        _command(workdir, data_dir, *extra, steps=steps),
-        cwd=ROOT,
-        env=cli_env(devices),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = forked_cli(_command(workdir, data_dir, *extra, steps=steps)[3:], devices)
     assert out.returncode == 0, out.stderr[-4000:]
     return out
 
