@@ -20,7 +20,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from subproc import cli_env, recipe_state
+from subproc import cli_env, forked_cli, recipe_state
 
 from jamp.train.checkpoint import Checkpointer
 
@@ -58,14 +58,7 @@ def _command(workdir: pathlib.Path, data_dir: pathlib.Path) -> list[str]:
 
 
 def _run(workdir, data_dir, check=True) -> subprocess.CompletedProcess:
-    out = subprocess.run(
-        _command(workdir, data_dir),
-        cwd=ROOT,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = forked_cli(_command(workdir, data_dir)[3:])  # the interrupted runs are fresh processes
     if check:
         assert out.returncode == 0, out.stderr[-4000:]
     return out
