@@ -33,6 +33,8 @@ experiments/results/accuracy_fp8_cpu.md (tables, verdicts) and .png (training lo
 each recipe, its difference to mixed_bfloat16's, and the amax and scale of one fp8 site of the
 delayed run over steps). On a CPU the
 fp8 matmuls are emulated (XLA converts to float32): the numbers are about accuracy, not speed.
+Committed: `--seeds 2` with the peer (accuracy_fp8_cpu.md) and `--seeds 3 --no_peer
+--out experiments/results/accuracy_fp8_seeds3_cpu.md`.
 """
 
 from __future__ import annotations
