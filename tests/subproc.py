@@ -60,16 +60,34 @@ def recipe_state(data_dir, overrides=None, recipe: str = "default"):
 
 
 # The server behind `ForkedCli`: imports the program once, then per request forks a child that
-# runs it as `python -m jamp.train <args>` would (its own argv, stdout and stderr, exit status).
+# runs it as `python -m jamp.train <args>` would (its own argv, stdout and stderr, exit status,
+# and a normal interpreter exit: atexit handlers, thread joins and flushes run as in a fresh one).
 _SERVER = r"""
-import json, os, sys, threading, traceback
+import json, os, sys, tempfile, threading, traceback
 sys.argv = ["jamp.train"]
+# What the program prints while importing is caught here and replayed into every run's output,
+# so a run's stderr is what a fresh process's would be; fd 1 is the replies' until then.
+protocol = os.fdopen(os.dup(1), "w")
+saved = {fd: os.dup(fd) for fd in (1, 2)}
+caught = {fd: tempfile.TemporaryFile() for fd in (1, 2)}
+for fd in (1, 2):
+    os.dup2(caught[fd].fileno(), fd)
 import jamp.train.cli as cli
+from absl import logging
+logging.use_absl_handler()  # as absl's app.run does before the program's main,
+cli._quiet_logs()  # and what main sets before the imports below
 import jamp.train.loop, jamp.train.data.digits  # what every run imports: paid once, not per run
+sys.stdout.flush()
+sys.stderr.flush()
+noise = {}
+for fd in (1, 2):
+    caught[fd].seek(0)
+    noise[fd] = caught[fd].read()
+os.dup2(saved[2], 2)
+os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing of the server's reaches the replies
 assert threading.active_count() == 1, threading.enumerate()  # so that fork is safe
 import jax._src.xla_bridge as xb
 assert not xb._backends, "a JAX backend is up before the fork"
-protocol = os.fdopen(os.dup(1), "w")
 for line in sys.stdin:
     request = json.loads(line)
     pid = os.fork()
@@ -77,22 +95,19 @@ for line in sys.stdin:
         code = 1
         try:
             os.chdir(request["cwd"])
-            for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+            for fd, name in ((1, "stdout"), (2, "stderr")):
+                os.dup2(os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+                os.write(fd, noise[fd])
             sys.argv = ["jamp.train", *request["args"]]
-            try:
-                cli.run()
-                code = 0
-            except SystemExit as e:
-                if isinstance(e.code, str):
-                    print(e.code, file=sys.stderr)
-                code = e.code if isinstance(e.code, int) else int(e.code is not None)
-            except BaseException:
-                traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            cli.run()
+            code = 0
+        except SystemExit as e:
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            traceback.print_exc()
+        sys.exit(code)  # out of the loop: the child's interpreter exits as a fresh one would
     _, status = os.waitpid(pid, 0)
     print(json.dumps(os.waitstatus_to_exitcode(status)), file=protocol, flush=True)
 """

@@ -140,7 +140,7 @@ class Adapting:
 
     def due(self, step: int) -> bool:
         """Whether to decide after `step`: every k steps and at checkpoints (absolute steps, so
-        a resumed run decides where the original did); the run's last step only records."""
+        a resumed run decides where the original did); the run's last step is not one of its own."""
         return step % self.k == 0 or step % self.checkpoint_every == 0
 
     def observe(self, fetch) -> None:

@@ -171,9 +171,8 @@ def _initialize_distributed() -> None:
         _fail(f"cannot join the multi-process run: {_one_line(e)}")
 
 
-def main(argv: list[str], config, workdir) -> None:
-    if len(argv) > 1:
-        _fail(f"unexpected arguments {argv[1:]}; pass settings as --config.<field>=<value>")
+def _quiet_logs() -> None:
+    """What the program sets before it imports JAX, TensorFlow and the data stack."""
     # Orbax and tfds log every save and read at INFO; the progress bar and metrics say enough.
     logging.set_verbosity(logging.WARNING)
     # Advice that is noise here: tfds suggests installing OpenCV on every run that decodes images
@@ -185,6 +184,12 @@ def main(argv: list[str], config, workdir) -> None:
     # TensorFlow is only used to prepare datasets; its C++ start-up banners are noise here.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+
+def main(argv: list[str], config, workdir) -> None:
+    if len(argv) > 1:
+        _fail(f"unexpected arguments {argv[1:]}; pass settings as --config.<field>=<value>")
+    _quiet_logs()
     # Imported here so that flag errors do not pay for importing JAX and TensorFlow.
     from jamp.train import loop
     from jamp.train.checkpoint import CheckpointError
