@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jamp
+from jamp import hlo
 from jamp.inspect import _paths
-from jamp.inspect._compiled import compiled_gemms
 from jamp.inspect._walk import OUTSIDE
 from jamp.inspect.report import compiled_hazards, precision_report
 from jamp.models import TransformerLM
@@ -281,13 +281,13 @@ _FP32_GEMM = (
 
 
 def test_compiled_gemms_reads_cublas_calls_and_triton_fusions():
-    gemms = compiled_gemms(_GPU_HLO)
-    assert [(g.kind, g.operands, g.result) for g in gemms] == [
-        ("triton", ("bf16", "bf16"), "f32"),
-        ("cublasLt", ("bf16", "bf16"), "f32"),
+    gemms = hlo.gemms(hlo.parse(_GPU_HLO))
+    assert [(g.kind, g.operands, g.result, g.flops) for g in gemms] == [
+        ("cuBLASLt", ("bf16", "bf16"), "f32", 2 * 4 * 16 * 8),
+        ("Triton", ("bf16", "bf16"), "f32", 2 * 8 * 16 * 4),
     ]
-    assert _paths.op_name_path(gemms[0].op_name) == ("proj", True)
-    assert _paths.op_name_path(gemms[1].op_name) == ("proj", False)
+    assert _paths.op_name_path(gemms[0].op_name) == ("proj", False)
+    assert _paths.op_name_path(gemms[1].op_name) == ("proj", True)
 
 
 def test_compiled_hazards_flag_an_fp32_gemm_where_the_jaxpr_asked_for_bf16():

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import re
 
+import numpy as np
+
+from jamp.hlo import text as hlo_text
 from jamp.inspect._paths import names, op_name_path
 from jamp.wrap import Wrapped
 
@@ -40,16 +42,6 @@ CLASSES = (
 #: instructions XLA created without a name stack (copies, layout changes).
 LOSS, UPDATE, UNNAMED, UNMATCHED = "(loss)", "(update)", "(unnamed)", "(unmatched)"
 
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?(?P<name>[^\s(]+) \(.*\{\s*$")
-_INSTRUCTION = re.compile(
-    r"^\s+(?:ROOT )?%(?P<name>[^\s=]+) = (?P<type>.+?) (?P<op>[a-z][a-z0-9-]*)\((?P<args>.*?)\)(?:,|$)"
-)
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_OPERAND = re.compile(r"%([^\s,()]+)")
-_CALLS = re.compile(r"\bcalls=(?:\{([^}]*)\}|%?([^\s,]+))")
-_TO_APPLY = re.compile(r"\bto_apply=%?([^\s,]+)")
-_TARGET = re.compile(r'custom_call_target="([^"]*)"')
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 _COLLECTIVES = frozenset(
     {
@@ -84,11 +76,20 @@ class Op:
 class _Instr:
     name: str
     op: str
-    type: str
+    arrays: tuple[tuple[str, tuple[int, ...]], ...]
     operands: tuple[str, ...]
     calls: tuple[str, ...]  # computations whose instructions are part of this one
     target: str  # a custom-call's target
     op_name: str
+
+
+def _instr(inst: hlo_text.Instruction) -> _Instr:
+    calls = list(inst.calls)
+    if inst.op == "call":
+        calls += [c for c in inst.called if c not in calls]  # its to_apply
+    return _Instr(
+        inst.name, inst.op, inst.arrays, inst.operands, tuple(calls), inst.target, inst.op_name
+    )
 
 
 def module_path(op_name: str) -> str:
@@ -122,15 +123,9 @@ def module_path(op_name: str) -> str:
     return f"({(roots[1] if wrapped else roots[0]).split('.')[0]})"
 
 
-def _elements(type_text: str) -> list[tuple[str, int]]:
-    """(element type, element count) of each array in an HLO type (a tuple gives several)."""
-    out = []
-    for dtype, dims in _ARRAY.findall(type_text):
-        count = 1
-        for d in filter(None, dims.split(",")):
-            count *= int(d)
-        out.append((dtype, count))
-    return out
+def _elements(instr: _Instr) -> list[tuple[str, int]]:
+    """(element type, element count) of each array of an instruction's result."""
+    return [(dtype, int(np.prod(shape, dtype=np.int64))) for dtype, shape in instr.arrays]
 
 
 def _is_float(dtype: str) -> bool:
@@ -152,42 +147,19 @@ class HloOps:
       ops.op("fusion.3")         # Op(op_class='elementwise 32-bit', module='Dense_0', tier=0)
     """
 
-    def __init__(self, hlo_text: str):
-        first = hlo_text.lstrip().split("\n", 1)[0]
+    def __init__(self, text: str):
+        first = text.lstrip().split("\n", 1)[0]
         self.module_name = first.split()[1].rstrip(",") if first.startswith("HloModule") else ""
         self._instrs: dict[str, _Instr] = {}
         self._computations: dict[str, list[_Instr]] = collections.defaultdict(list)
         self._users: dict[str, list[str]] = collections.defaultdict(list)
         self._cache: dict[str, Op] = {}
-        computation = ""
-        for line in hlo_text.splitlines():
-            if (c := _COMPUTATION.match(line)) is not None:
-                computation = c.group("name")
-            elif (m := _INSTRUCTION.match(line)) is not None:
-                instr = self._parse(m, line)
-                self._instrs[instr.name] = instr
-                self._computations[computation].append(instr)
-                for operand in instr.operands:
-                    self._users[operand].append(instr.name)
-
-    @staticmethod
-    def _parse(m: re.Match, line: str) -> _Instr:
-        rest = line[m.end() :]
-        calls = []
-        if (c := _CALLS.search(rest)) is not None:
-            calls = _OPERAND.findall(c.group(1)) if c.group(1) else [c.group(2).lstrip("%")]
-        if m.group("op") == "call" and (t := _TO_APPLY.search(rest)) is not None:
-            calls.append(t.group(1).lstrip("%"))
-        target, op_name = _TARGET.search(rest), _OP_NAME.search(rest)
-        return _Instr(
-            name=m.group("name"),
-            op=m.group("op"),
-            type=m.group("type"),
-            operands=tuple(_OPERAND.findall(m.group("args"))),
-            calls=tuple(calls),
-            target=target.group(1) if target else "",
-            op_name=op_name.group(1) if op_name else "",
-        )
+        for inst in hlo_text.parse(text).instructions:
+            instr = _instr(inst)
+            self._instrs[instr.name] = instr
+            self._computations[inst.computation].append(instr)
+            for operand in instr.operands:
+                self._users[operand].append(instr.name)
 
     def __contains__(self, name: str) -> bool:
         return name in self._instrs
@@ -208,18 +180,18 @@ class HloOps:
 
     def _dtype(self, instr: _Instr) -> str:
         """The floating-point type an instruction writes, or else the first one it reads."""
-        for dtype, _ in _elements(instr.type):
+        for dtype, _ in _elements(instr):
             if _is_float(dtype):
                 return dtype
         for operand in instr.operands:
             if operand in self._instrs:
-                for dtype, _ in _elements(self._instrs[operand].type):
+                for dtype, _ in _elements(self._instrs[operand]):
                     if _is_float(dtype):
                         return dtype
         return ""
 
     def _operands_narrow(self, instr: _Instr) -> bool:
-        types = [_elements(self._instrs[o].type) for o in instr.operands[:2] if o in self._instrs]
+        types = [_elements(self._instrs[o]) for o in instr.operands[:2] if o in self._instrs]
         return bool(types) and all(t and _narrow(t[0][0]) for t in types)
 
     def op(self, name: str) -> Op:
@@ -262,7 +234,7 @@ class HloOps:
             if inner.op in _NOT_WORK or inner.op == "fusion":
                 continue
             dtype = self._dtype(inner)
-            count = sum(n for _, n in _elements(inner.type)) or 1
+            count = sum(n for _, n in _elements(inner)) or 1
             if dtype and _narrow(dtype):
                 narrow += count
             elif dtype:

@@ -41,8 +41,8 @@ from jax.extend import core as jcore
 
 from jamp import activations as act
 from jamp import hardware, hlo
+from jamp.hlo import Gemm
 from jamp.inspect import _paths, _walk
-from jamp.inspect._compiled import Gemm, compiled_gemms
 from jamp.inspect._walk import MatmulKind
 
 __all__ = ["Gemm", "Hazard", "MatmulKind", "Report", "Row", "Totals", "precision_report"]
@@ -222,7 +222,7 @@ def compiled_hazards(report: Report, hlo_text: str) -> list[Hazard]:
       for hazard in compiled_hazards(precision_report(step, *args), text):
           print(hazard)
     """
-    return _gemm_hazards(report, compiled_gemms(hlo_text))
+    return _gemm_hazards(report, hlo.gemms(hlo.parse(hlo_text)))
 
 
 def _gemm_hazards(report: Report, gemms: list[Gemm]) -> list[Hazard]:
@@ -262,7 +262,7 @@ def _compiled_parts(fn, args, calls) -> tuple[list[Gemm], list[Hazard], dict]:
     """Compiles `fn`: its GEMMs, and the collectives of its partitioned program."""
     jitted = jax.jit(fn)
     executable = jitted.lower(*args).compile()
-    gemms = compiled_gemms(executable.as_text())
+    gemms = hlo.gemms(hlo.parse(executable.as_text()))
     shardings = jax.tree.leaves(executable.input_shardings)
     devices = {d for s in shardings for d in s.device_set}
     hazards, nbytes = [], {}

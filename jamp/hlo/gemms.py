@@ -1,0 +1,174 @@
+"""The GEMMs of a compiled program, read from its HLO text, and the dtypes they really run in.
+
+A jaxpr says what was asked for; XLA decides what runs. On GPUs a matmul the jaxpr computes in
+bf16 can still become a float32 GEMM (a layout or fusion XLA:GPU does not handle in bf16, or
+operands converted inside the GEMM's fusion); the compiled HLO shows it. A GEMM there is:
+
+* a cuBLAS / cuBLASLt call: `custom-call`, `custom_call_target="__cublas$gemm"`,
+  `"__cublas$lt$matmul"`, fp8: `"__cublas$lt$matmul$f8"`, its dimensions in the backend config;
+* a Triton or cuDNN GEMM fusion: a `fusion` whose backend kind names it
+  (`__triton_gemm`, `__triton_nested_gemm_fusion`, `__cudnn$fusion`), the `dot` in its body;
+* a plain `dot` (CPUs; a dot inside an ordinary fusion);
+* a convolution: `custom_call_target="__cudnn$conv..."` on GPUs, `convolution` elsewhere.
+
+The operand dtypes are those the GEMM multiplies: for a fusion, those of the `dot` inside it
+(a bf16 parameter converted to f32 inside a Triton fusion is an f32 GEMM).
+
+Example::
+
+  for gemm in gemms(parse(compiled.as_text())):
+      print(gemm.kind, gemm.operands, gemm.flops, gemm.op_name)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Optional
+
+import numpy as np
+
+from jamp.hlo.text import Instruction, Program
+
+#: Kernel families, as `Gemm.kind` spells them.
+KINDS = ("cuBLAS", "cuBLASLt", "cuBLASLt fp8", "Triton", "cuDNN", "cuDNN conv", "dot", "conv")
+_DIMS = re.compile(r"\b(lhs_contracting_dims|lhs_batch_dims)=\{([\d,]*)\}")
+_DIM_LABELS = re.compile(r"\bdim_labels=(\w+)_(\w+)->(\w+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """One matrix multiplication or convolution of a compiled program."""
+
+    name: str  # the HLO instruction
+    kind: str  # one of KINDS
+    operands: tuple[str, ...]  # dtypes of the two multiplied operands, HLO spelling ("bf16")
+    result: str  # dtype of the product
+    op_name: str  # the JAX name stack it came from ("" when XLA kept none)
+    flops: int = 0  # 2 x multiply-adds, for one call; 0 where jamp cannot tell
+    batched: bool = False  # a batched matmul (batch dimensions: attention's scores and mix)
+    accumulates: str = ""  # a fusion's dot's own result dtype (what it sums in); else `result`
+
+    @property
+    def is_fp32(self) -> bool:
+        """Whether a multiplied operand is float32 (a float32 or TF32 GEMM, not a 16-bit one)."""
+        return "f32" in self.operands or "f64" in self.operands
+
+
+def _dot_flops(program: Program, dot: Instruction) -> tuple[int, bool]:
+    dims = dict(_DIMS.findall(dot.attributes))
+    contracting = [int(d) for d in dims.get("lhs_contracting_dims", "").split(",") if d]
+    batched = bool(dims.get("lhs_batch_dims"))
+    arrays = program.operand_arrays(dot)
+    if not arrays or not dot.arrays:
+        return 0, batched
+    lhs = arrays[0][1]
+    k = int(np.prod([lhs[d] for d in contracting if d < len(lhs)], dtype=np.int64))
+    return 2 * int(np.prod(dot.shape, dtype=np.int64)) * k, batched
+
+
+def _custom_gemm_flops(program: Program, inst: Instruction) -> tuple[int, bool]:
+    dims = inst.backend_config().get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
+    contracting = [int(d) for d in dims.get("lhs_contracting_dimensions", [])]
+    batched = bool(dims.get("lhs_batch_dimensions"))
+    arrays = program.operand_arrays(inst)
+    if not arrays or not inst.arrays:
+        return 0, batched
+    lhs = arrays[0][1]
+    k = int(np.prod([lhs[d] for d in contracting if d < len(lhs)], dtype=np.int64))
+    return 2 * int(np.prod(inst.shape, dtype=np.int64)) * k, batched
+
+
+def _conv_flops(program: Program, inst: Instruction) -> int:
+    """2 x (forward output elements) x (kernel elements per output feature): the same count for
+    a convolution and both of its transposes (cuDNN's backward-input / backward-filter calls)."""
+    labels = _DIM_LABELS.search(inst.attributes)
+    arrays = program.operand_arrays(inst)
+    if not labels or len(arrays) < 2 or not inst.arrays:
+        return 0
+    kernel_labels = labels.group(2)
+    target = inst.target
+    if "BackwardFilter" in target:
+        output, kernel = arrays[1][1], inst.shape
+    elif "BackwardInput" in target:
+        output, kernel = arrays[0][1], arrays[1][1]
+    else:
+        output, kernel = inst.shape, arrays[1][1]
+    if "o" not in kernel_labels or len(kernel) != len(kernel_labels):
+        return 0
+    per_output = int(np.prod(kernel, dtype=np.int64)) // max(1, kernel[kernel_labels.index("o")])
+    return 2 * int(np.prod(output, dtype=np.int64)) * per_output
+
+
+def _kind(inst: Instruction) -> Optional[str]:
+    if inst.op == "custom-call":
+        target = inst.target
+        if target.startswith("__cublas$lt$matmul$f8"):
+            return "cuBLASLt fp8"
+        if target.startswith("__cublas$lt"):
+            return "cuBLASLt"
+        if target.startswith("__cublas"):
+            return "cuBLAS"
+        if target.startswith("__cudnn$conv"):
+            return "cuDNN conv"
+        return None
+    if inst.op == "fusion":
+        kind = inst.fusion_kind
+        if "triton" in kind and "gemm" in kind:
+            return "Triton"
+        if kind.startswith("__cudnn"):
+            return "cuDNN"
+    return None
+
+
+def gemms(program: Program) -> list[Gemm]:
+    """Every GEMM and convolution call of a compiled program, in program order.
+
+    A dot inside a GEMM fusion is counted once, as that fusion; a dot inside an ordinary fusion
+    (XLA fuses small ones) or outside any fusion is a "dot"."""
+    in_gemm_fusion: set[str] = set()
+    found: list[Gemm] = []
+    for inst in program.instructions:
+        kind = _kind(inst)
+        if kind in ("Triton", "cuDNN"):
+            dot = next((i for i in program.body(inst) if i.op == "dot"), None)
+            in_gemm_fusion.update(i.name for i in program.body(inst))
+            if dot is None:
+                continue
+            flops, batched = _dot_flops(program, dot)
+            operands = tuple(d for d, _ in program.operand_arrays(dot))[:2]
+            found.append(
+                Gemm(
+                    inst.name,
+                    kind,
+                    operands,
+                    inst.dtype,
+                    inst.op_name or dot.op_name,
+                    flops,
+                    batched,
+                    dot.dtype,
+                )
+            )
+        elif kind == "cuDNN conv":
+            operands = tuple(d for d, _ in program.operand_arrays(inst))[:2]
+            found.append(
+                Gemm(
+                    inst.name, kind, operands, inst.dtype, inst.op_name, _conv_flops(program, inst)
+                )
+            )
+        elif kind is not None:
+            flops, batched = _custom_gemm_flops(program, inst)
+            operands = tuple(d for d, _ in program.operand_arrays(inst))[:2]
+            found.append(Gemm(inst.name, kind, operands, inst.dtype, inst.op_name, flops, batched))
+    for inst in program.instructions:  # dots and convolutions XLA left as they are
+        if inst.name in in_gemm_fusion or inst.op not in ("dot", "convolution"):
+            continue
+        operands = tuple(d for d, _ in program.operand_arrays(inst))[:2]
+        if inst.op == "dot":
+            flops, batched = _dot_flops(program, inst)
+            found.append(Gemm(inst.name, "dot", operands, inst.dtype, inst.op_name, flops, batched))
+        else:
+            found.append(Gemm(inst.name, "conv", operands, inst.dtype, inst.op_name))
+    order = {inst.name: i for i, inst in enumerate(program.instructions)}
+    found = [g if g.accumulates else dataclasses.replace(g, accumulates=g.result) for g in found]
+    return sorted(found, key=lambda g: order.get(g.name, 0))
