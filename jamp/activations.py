@@ -28,9 +28,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jamp import hardware
 
 ACTIVATIONS = ("auto", "compute", "float32")
 
@@ -131,13 +132,18 @@ POLYMORPHIC_PRIMITIVES = frozenset(
 
 
 def resolve(activations: str) -> str:
-    """`"auto"` -> `"float32"` on CPUs and `"compute"` elsewhere; checks the value."""
+    """`"auto"` -> `"float32"` when the program is traced for a CPU and `"compute"` for any other
+    device (`jamp.hardware.target_platform`: a GPU target compiled on a CPU host gets "compute");
+    checks the value. Under `jamp.hardware.compiling_for` the resolved form is recorded."""
     if activations not in ACTIVATIONS:
         raise ValueError(
             f"activations={activations!r} is not one of {', '.join(map(repr, ACTIVATIONS))}."
         )
     if activations == "auto":
-        return "float32" if jax.default_backend() == "cpu" else "compute"
+        activations = "float32" if hardware.target_platform() == "cpu" else "compute"
+    record = hardware.tracing()
+    if record is not None:
+        record.activations.add(activations)
     return activations
 
 

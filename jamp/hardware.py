@@ -29,6 +29,7 @@ Nothing here imports the rest of jamp (it sits below `jamp.precision` and `jamp.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import os
@@ -218,7 +219,8 @@ def support(dtype, device=None, *, cpu: Optional[CpuInfo] = None) -> Support:
     Args:
       dtype: float32, bfloat16, float16 or an fp8 dtype (anything `np.dtype` accepts).
       device: a `jax.Device` (or anything with `platform`, `device_kind` and, for NVIDIA GPUs,
-        `compute_capability`); default: the first device of JAX's default backend.
+        `compute_capability`); default: `target_device()`, the device the program being traced
+        is compiled for (the first device of JAX's default backend outside `compiling_for`).
       cpu: for CPU devices, the `CpuInfo` to judge instead of this machine's /proc/cpuinfo
         (tests fake CPUs with `parse_cpuinfo`).
 
@@ -233,7 +235,7 @@ def support(dtype, device=None, *, cpu: Optional[CpuInfo] = None) -> Support:
     dtype = np.dtype(dtype)
     if not jax.numpy.issubdtype(dtype, jax.numpy.floating) or dtype.itemsize > 4:
         raise ValueError(f"support() judges float32, 16-bit and fp8 dtypes, not {dtype.name}")
-    device = jax.devices()[0] if device is None else device
+    device = target_device() if device is None else device
     platform = str(getattr(device, "platform", "unknown")).lower()
     if platform == "cpu":
         cpu = read_cpuinfo() if cpu is None else cpu
@@ -248,6 +250,69 @@ def support(dtype, device=None, *, cpu: Optional[CpuInfo] = None) -> Support:
         return Support(dtype, native, platform, kind, detail)
     detail = f"jamp does not know whether {platform} devices run {dtype.name} natively."
     return Support(dtype, dtype == F32 or None, platform, kind, detail)
+
+
+# ----- the device a program is traced for
+
+# Set while a program is traced for devices other than JAX's default backend (a GPU target
+# compiled on a CPU host, a mesh of another platform): every per-platform choice jamp makes while
+# tracing (`support`, `matmul_lowering`, `jamp.activations`' "auto", `jamp.mixed_ops`' CPU
+# forms) asks `target_device()`, so the program is the one that device would be given.
+_TARGET: contextvars.ContextVar = contextvars.ContextVar("jamp_target", default=None)
+
+
+@dataclasses.dataclass
+class Tracing:
+    """The device a program is being traced for, and what jamp chose for it meanwhile.
+
+    Attributes:
+      device: the `jax.Device` (or topology device) the program is compiled for.
+      activations: the activation forms ("compute", "float32") that wrapped models resolved to
+        while tracing under this record.
+    """
+
+    device: Any
+    activations: set = dataclasses.field(default_factory=set)
+
+
+@contextlib.contextmanager
+def compiling_for(device) -> Iterator[Tracing]:
+    """Within the block, programs are traced for `device` instead of JAX's default backend.
+
+    Example::
+
+      with compiling_for(mesh.devices.flat[0]) as tracing:
+          lowered = jax.jit(step).lower(*abstract_args)   # GPU forms on a CPU host
+      tracing.activations                                # {"compute"}
+    """
+    outer = _TARGET.get()  # nested (a sharded step inside `jamp.compile_for`): note in both
+    record = Tracing(device) if outer is None else Tracing(device, outer.activations)
+    token = _TARGET.set(record)
+    try:
+        yield record
+    finally:
+        _TARGET.reset(token)
+
+
+def tracing() -> Optional[Tracing]:
+    """The `compiling_for` record in effect, or None."""
+    return _TARGET.get()
+
+
+def target_device():
+    """The device programs traced now are compiled for (`compiling_for`'s, else JAX's first)."""
+    record = _TARGET.get()
+    return jax.devices()[0] if record is None else record.device
+
+
+def target_platform() -> str:
+    """ "cpu", "gpu", "tpu", ... of `target_device()` ("cuda" and "rocm" read "gpu")."""
+    record = _TARGET.get()
+    if record is None:
+        platform = jax.default_backend()
+    else:
+        platform = str(getattr(record.device, "platform", "unknown")).lower()
+    return "gpu" if platform in ("cuda", "rocm") else platform
 
 
 def _preset(policy: Any) -> str:

@@ -135,7 +135,7 @@ def _matmul(lhs, rhs, dims, out_dtype, acc=_ACC, lowering="native"):
     (the GEMM accumulates in float32 and rounds once, so its partial sums cross devices 16-bit).
     `lowering` is "native" (16-bit operands into the dot) or "upcast" (widened to float32)."""
     widen = lowering == "upcast"
-    if jax.default_backend() == "cpu":
+    if hardware.target_platform() == "cpu":
         return _canonical_matmul(lhs, rhs, dims, acc, widen).astype(out_dtype)
     return _dot_in(lhs, rhs, dims, acc, widen).astype(out_dtype)
 
@@ -234,6 +234,20 @@ def _conv(lhs, rhs, params, preferred):
     )
 
 
+def _conv_result(compute_dtype, wanted) -> np.dtype:
+    """The result dtype a 16-bit convolution asks for: `wanted` (float32, or a reduce dtype),
+    except where the program is compiled for a GPU. There cuDNN's 16-bit convolutions take
+    16-bit operands, accumulate in float32 and round the result once; a convolution asked for
+    a float32 result from 16-bit operands is run by XLA:GPU as a float32 convolution, operands
+    widened (seen in the H200 program: experiments/results/gpu_compile_h200.md), so there the
+    result is the compute dtype, widened afterwards: PyTorch autocast's form too. A float16
+    weight gradient may then overflow where a float32 one would not; the dynamic loss scale
+    backs off, as under autocast."""
+    if hardware.target_platform() == "gpu" and np.dtype(compute_dtype).itemsize < 4:
+        return np.dtype(compute_dtype)
+    return np.dtype(wanted)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _mixed_conv(lhs, rhs, params, compute_dtype, out_dtype, placed):
     return _conv_fwd(lhs, rhs, params, compute_dtype, out_dtype, placed)[0]
@@ -242,7 +256,7 @@ def _mixed_conv(lhs, rhs, params, compute_dtype, out_dtype, placed):
 def _conv_fwd(lhs, rhs, params, compute_dtype, out_dtype, placed):
     lhs_c = _to_compute(lhs, compute_dtype, placed[0])
     rhs_c = _to_compute(rhs, compute_dtype, placed[1])
-    out = _conv(lhs_c, rhs_c, params, _ACC).astype(out_dtype)
+    out = _conv(lhs_c, rhs_c, params, _conv_result(compute_dtype, _ACC)).astype(out_dtype)
     return out, (lhs_c, rhs_c, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
 
 
@@ -254,7 +268,12 @@ def _conv_bwd(params, compute_dtype, out_dtype, placed, residuals, g):
     # fp32 results (the kernel's in its reduce dtype) keeps a scaled weight gradient, a sum over
     # the whole batch, from having to fit in fp16.
     d_lhs, d_rhs = jax_compat.conv_transposes(
-        g.astype(compute_dtype), lhs_c, rhs_c, params, _ACC, _grad_acc(placed[1])
+        g.astype(compute_dtype),
+        lhs_c,
+        rhs_c,
+        params,
+        _conv_result(compute_dtype, _ACC),
+        _conv_result(compute_dtype, _grad_acc(placed[1])),
     )
     return (
         _to_operand(d_lhs, lhs_like.dtype, placed[0]),
@@ -279,7 +298,7 @@ def _patch_lowerable(lhs, rhs, params) -> bool:
     dn = params["dimension_numbers"]
     spatial = len(dn.lhs_spec) - 2
     return (
-        jax.default_backend() == "cpu"
+        hardware.target_platform() == "cpu"
         and spatial >= 1
         and params["feature_group_count"] == 1
         and params["batch_group_count"] == 1

@@ -44,7 +44,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jamp import hlo, placement
+from jamp import hardware, hlo, placement
 from jamp.autocast import placing
 from jamp.placement import AXES, Rules, path_keys
 from jamp.placement import describe as describe  # re-exported: the public surface is here
@@ -226,12 +226,17 @@ class _ParamPlacement:
         return sharding, NamedSharding(sharding.mesh, P(*spec))
 
 
-def _placing_params(fn, state_sharding):
+def _placing_params(fn, state_sharding, mesh: Mesh):
     """`fn(state, ...)` traced with `autocast.placing` the state's params: 16-bit gathers, and
-    gradients reduced in the policy's reduce dtype (see `jamp.wrap`)."""
+    gradients reduced in the policy's reduce dtype (see `jamp.wrap`); and traced for the mesh's
+    devices (`jamp.hardware.compiling_for`), so a mesh of GPUs built on a CPU host gets the GPU's
+    forms (16-bit activations under "auto", native 16-bit matmuls)."""
 
     def placed(state, *args):
-        with placing(_ParamPlacement(state.params, state_sharding.params)):
+        with (
+            hardware.compiling_for(mesh.devices.flat[0]),
+            placing(_ParamPlacement(state.params, state_sharding.params)),
+        ):
             return fn(state, *args)
 
     return placed
@@ -253,7 +258,7 @@ def make_sharded_train_step(train_step, mesh: Mesh, state_sharding: PyTree):
         )
     replicated = NamedSharding(mesh, P())
     return jax.jit(
-        _placing_params(train_step, state_sharding),
+        _placing_params(train_step, state_sharding, mesh),
         in_shardings=(state_sharding, batch_sharding(mesh), replicated),
         out_shardings=(state_sharding, replicated),
         donate_argnums=(0,),
@@ -265,7 +270,7 @@ def make_sharded_eval_step(eval_step, mesh: Mesh, state_sharding: PyTree):
     as placed (params gathered in the compute dtype), the batch split as `shard_batch` splits
     it, the metrics replicated."""
     return jax.jit(
-        _placing_params(eval_step, state_sharding),
+        _placing_params(eval_step, state_sharding, mesh),
         in_shardings=(state_sharding, batch_sharding(mesh)),
         out_shardings=NamedSharding(mesh, P()),
     )

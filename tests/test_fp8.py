@@ -512,7 +512,8 @@ def test_precision_report_counts_the_fp8_share(lm_setup):
     # Layers are fp8; attention's activation x activation matmuls and the head are bf16.
     assert 0.7 < t.share_fp8() < 0.9
     assert "fp8" in report.table() and "f8e5m2" in report.table()
-    assert not report.hazards
+    # (A CPU without bf16 instructions, a Zen 3 say, adds that bf16 is emulated there.)
+    assert not [h for h in report.hazards if h.kind != "emulated compute dtype"]
 
 
 class _Block(nn.Module):
