@@ -19,10 +19,14 @@ The public API, all documented in the README:
   `make_p_train_step`, `make_p_eval_step`);
 * sharded training on a mesh: the `jamp.sharding` module (`make_mesh`, `shard_state`,
   `state_shardings`, `shard_batch`, `make_sharded_train_step`, `make_sharded_eval_step`,
-  `describe`).
+  `describe`);
+* GPU programs without the GPU: `compile_for` and the `jamp.target` module (`get_target`,
+  `Target`, `GPUS`, `TargetUnavailable`).
 """
 
-from jamp import adaptive, fp8, hardware, nnx, parallel, sharding
+
+from jamp import adaptive, fp8, hardware, nnx, parallel, sharding, target
+from jamp import jax_compat as _jax_compat
 from jamp.autocast import autocast
 from jamp.jax_compat import UnsupportedProgramError
 from jamp.loss_scale import (
@@ -38,7 +42,11 @@ from jamp.precision import PRESETS, get_policy
 from jamp.precision import describe as describe_policy
 from jamp.state import TrainState
 from jamp.step import make_eval_step, make_train_step
+from jamp.target import compile_for
 from jamp.wrap import FP32_MODULES, module_policies, wrap
+
+# Before JAX starts its backends (nothing above starts them): see the function.
+_jax_compat.allow_deviceless_cuda()
 
 __version__ = "0.1.0.dev0"
 
@@ -53,6 +61,7 @@ __all__ = [
     "adaptive",
     "all_finite",
     "autocast",
+    "compile_for",
     "describe_policy",
     "finite_by_group",
     "fp8",
@@ -66,5 +75,6 @@ __all__ = [
     "parallel",
     "select_tree",
     "sharding",
+    "target",
     "wrap",
 ]

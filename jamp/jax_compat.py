@@ -25,6 +25,10 @@ Differences between the supported releases (JAX 0.10 to 0.12), and how each is r
   they widen 16-bit operands to an fp32 cotangent's dtype, so jamp calls them directly (the
   same private signature from 0.10 to 0.12) to keep 16-bit operands with an fp32 result.
 
+* JAX's CUDA plugin (for `jamp.compile_for`) checks the CUDA libraries when JAX starts its
+  backends; without an NVIDIA driver that check fails, with a traceback on every start, and the
+  plugin cannot describe a GPU topology (`allow_deviceless_cuda`).
+
 Stable across the range, read through the public `jax.extend.core`: `Jaxpr`, `ClosedJaxpr`,
 `Literal`, `DropVar`, `jaxprs_in_params`; `while` (`cond_nconsts`, `body_nconsts`), `cond`
 (`branches`), `remat2` (`jaxpr`, `prevent_cse`, `policy`), `custom_jvp_call` (`call_jaxpr`) and
@@ -34,6 +38,7 @@ Stable across the range, read through the public `jax.extend.core`: `Jaxpr`, `Cl
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import jax
@@ -167,3 +172,18 @@ def conv_transposes(g, lhs, rhs, params, lhs_dtype, rhs_dtype):
         **kwargs,
     )
     return d_lhs, d_rhs
+
+
+def allow_deviceless_cuda() -> None:
+    """Without an NVIDIA driver, lets JAX's CUDA plugin start for deviceless compiles.
+
+    The plugin checks its CUDA libraries' versions when JAX starts its backends. On a machine
+    with no NVIDIA driver that check can only fail: it prints a traceback on every start, and
+    the plugin then cannot describe a GPU topology for `jamp.compile_for`. Where no driver is
+    present (neither /proc/driver/nvidia nor /dev/nvidiactl) this sets
+    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 unless it is set already; with a driver nothing changes.
+    It must run before JAX starts its backends (`import jamp` runs it).
+    """
+    if os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/nvidiactl"):
+        return
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")

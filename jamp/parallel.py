@@ -188,6 +188,42 @@ def make_p_train_step(
     )
 
 
+def make_spmd_train_step(
+    train_step: Callable,
+    devices: Sequence[Any],
+    *,
+    axis_name: str = AXIS_NAME,
+    donate_state: bool = True,
+) -> Callable:
+    """What `make_p_train_step` runs, as one SPMD program over `devices` (any devices, also a
+    GPU target's that this process cannot run on: see `jamp.compile_for`).
+
+    `jax.pmap` runs on `jit` of `shard_map` since JAX 0.8: the same per-device program, with
+    every device holding the whole state, its share of the batch and the same key. Here the
+    batch is global (its leading axis split over `devices`) and the state is passed once
+    (replicated), not with a device axis.
+
+    Returns:
+      `step(state, batch, rng) -> (state, metrics)`, jitted.
+    """
+    _check_axis_name(train_step, axis_name)
+    mesh = Mesh(np.asarray(list(devices)), (axis_name,))
+    mapped = jax.shard_map(
+        train_step,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), PartitionSpec(axis_name), PartitionSpec()),
+        out_specs=(PartitionSpec(), PartitionSpec()),
+        check_vma=False,  # the step averages over the axis itself (pmean), as under pmap
+    )
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(
+        mapped,
+        in_shardings=(replicated, NamedSharding(mesh, PartitionSpec(axis_name)), replicated),
+        out_shardings=(replicated, replicated),
+        donate_argnums=(0,) if donate_state else (),
+    )
+
+
 def make_p_eval_step(eval_step: Callable, *, axis_name: str = AXIS_NAME) -> Callable:
     """Pmaps an eval step over the local devices.
 

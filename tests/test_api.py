@@ -12,6 +12,8 @@ JAMP = pathlib.Path(jamp.__file__).parent
 # What the README documents: adding a name here means documenting it there.
 PUBLIC = {
     "adaptive",
+    "compile_for",
+    "target",
     "module_policies",
     "FP32_MODULES",
     "PRESETS",
@@ -68,13 +70,15 @@ RANK = {
     "nnx_adapter": 4.5,  # above models, whose NNX model specs it builds
     "run_config": 5,
     "inspect": 5,  # library: see test_api_inspect_imports_no_training_program
+    "target": 5.3,  # above inspect (its compiled-program report) and sharding (target meshes)
     "run_log": 5.5,
     "loop": 6,
+    "plan": 6.5,  # above loop, whose model and state builders it runs abstractly
     "cli": 7,
 }
 # The training program's modules (jamp/train/): ranked like the library's, by their own name.
 PROGRAM = {"loop", "run_config", "run_log", "checkpoint", "metrics", "optim", "tasks"}
-PROGRAM |= {"overflow_watch", "data", "cli", "nnx_adapter", "adapting"}
+PROGRAM |= {"overflow_watch", "data", "cli", "nnx_adapter", "adapting", "plan"}
 # Heavy or program-only dependencies, and the only modules allowed to import them.
 CONFINED = {
     "tensorflow": {"data"},

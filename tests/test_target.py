@@ -1,0 +1,315 @@
+"""jamp.target and jamp.compile_for: the real H200 program, compiled on this CPU (no GPU).
+
+Every claim about GPU kernels, dtypes, collectives and memory is read from the program XLA:GPU
+compiles for the target: GEMMs (cuBLAS / Triton fusions / cuDNN convolutions), fp8 cuBLASLt
+calls, FSDP collectives, the buffer assignment. Compiling for a GPU is slow here (10-40 s a
+program), so each program serves several checks: one program holds the five models whose
+dtypes are checked under a policy. Needs JAX's CUDA plugin (`pip install 'jamp[gpu-compile]'`,
+CI's newest end); without it these tests skip, saying so.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jamp
+from jamp import hardware, sharding
+from jamp import target as target_lib
+from jamp.hlo import buffers
+from jamp.inspect._paths import op_name_path
+from jamp.models import ResNet, SeedCNN, TransformerLM, nnx_models
+
+pytestmark = pytest.mark.skipif(
+    not target_lib.plugin_available(),
+    reason="JAX's CUDA plugin is not installed (pip install 'jamp[gpu-compile]')",
+)
+
+H200 = "h200"
+COMPUTE = {"mixed_bfloat16": "bf16", "mixed_float16": "f16", "float32": "f32"}
+
+
+def test_target_names_parse_and_a_bad_one_lists_the_targets():
+    t = target_lib.get_target("2x h200x8")
+    assert (t.gpu.name, t.gpus_per_host, t.hosts, t.num_devices, t.name) == (
+        "h200",
+        8,
+        2,
+        16,
+        "2x h200x8",
+    )
+    assert target_lib.get_target("H100").num_devices == 1
+    assert target_lib.get_target("b200x4").gpu.compute_capability == (10, 0)
+    with pytest.raises(ValueError, match=r"^unknown target 'a100'; targets: h100, h200, b200"):
+        target_lib.get_target("a100")
+    devices = target_lib.get_target("2x h200x8").devices
+    assert len(devices) == 16 and {d.process_index for d in devices} == {0, 1}
+    assert {d.device_kind for d in devices} == {"NVIDIA H200"}
+
+
+def test_activations_auto_is_16_bit_for_a_gpu_target_and_float32_on_the_cpu():
+    from jamp import activations
+
+    assert activations.resolve("auto") == "float32"  # this test process: a CPU
+    with hardware.compiling_for(target_lib.get_target(H200).devices[0]) as tracing:
+        assert activations.resolve("auto") == "compute"
+        assert hardware.matmul_lowering(jnp.bfloat16) == "native"
+    assert tracing.activations == {"compute"}
+    assert activations.resolve("auto") == "float32"
+
+
+# ----- one program of five models per policy: every matmul / convolution's operand dtypes
+
+
+def _five_models(policy):
+    """(loss(params), params): the wrapped seed CNN, ResNet-20, TransformerLM and NNX CNN, and a
+    `jamp.autocast` function, summed, so that one compile checks them all."""
+    key = jax.random.key(0)
+    images = jnp.zeros((2, 8, 8, 3))
+    tokens = jnp.zeros((2, 16), jnp.int32)
+    cnn = jamp.wrap(SeedCNN(num_classes=10), policy)
+    resnet = jamp.wrap(ResNet((3, 3, 3), num_classes=10, num_filters=8), policy)
+    lm = jamp.wrap(TransformerLM(64, num_layers=1, d_model=32, num_heads=2, mlp_dim=64), policy)
+    nnx_model = jamp.wrap(nnx_models.SeedCNN(10, image_shape=(8, 8, 3), rngs=nnx.Rngs(0)), policy)
+    graphdef, nnx_state = nnx.split(nnx_model)
+
+    def fn(x, w, k):
+        with jax.named_scope("autocast_fn"):
+            y = jax.lax.conv_general_dilated(
+                x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+            )
+            return jnp.tanh(y.reshape(y.shape[0], -1) @ w)
+
+    cast_fn = jamp.autocast(fn, policy, params_argnums=(1, 2))
+    params = {
+        "cnn": jax.eval_shape(cnn.init, key, images)["params"],
+        "resnet": jax.eval_shape(lambda: resnet.init(key, images, train=False)),
+        "lm": jax.eval_shape(lm.init, key, tokens)["params"],
+        "nnx": nnx_state,
+        "fn": (
+            jax.ShapeDtypeStruct((8 * 8 * 4, 10), jnp.float32),
+            jax.ShapeDtypeStruct((3, 3, 3, 4), jnp.float32),
+        ),
+    }
+
+    def loss(p):
+        total = jnp.sum(cnn.apply({"params": p["cnn"]}, images) ** 2)
+        out, _ = resnet.apply(p["resnet"], images, train=True, mutable=["batch_stats"])
+        total += jnp.sum(out**2)
+        total += jnp.sum(lm.apply({"params": p["lm"]}, tokens) ** 2)
+        total += jnp.sum(nnx.merge(graphdef, p["nnx"])(images).astype(jnp.float32) ** 2)
+        return total + jnp.sum(cast_fn(images, *p["fn"]) ** 2)
+
+    return jax.grad(loss), params
+
+
+@pytest.fixture(scope="module", params=["mixed_bfloat16", "mixed_float16", "float32"])
+def five(request):
+    grad, params = _five_models(request.param)
+    return request.param, jamp.compile_for(grad, params, target=H200)
+
+
+def _model_of(op_name):
+    for name in ("SeedCNN", "ResNet", "TransformerLM", "autocast_fn"):
+        if name in op_name:
+            return name
+    return "nnx" if op_name else "?"
+
+
+def test_compile_for_every_matmul_and_convolution_in_the_compute_dtype(five):
+    policy, report = five
+    want = COMPUTE[policy]
+    gemms = report.gemms
+    convs = [g for g in gemms if g.kind == "cuDNN conv"]
+    mats = [g for g in gemms if g.kind != "cuDNN conv"]
+    # All five models are there, forward and backward, GEMMs and cuDNN convolutions.
+    assert {_model_of(g.op_name) for g in mats} >= {
+        "SeedCNN",
+        "ResNet",
+        "TransformerLM",
+        "autocast_fn",
+    }
+    assert {_model_of(g.op_name) for g in convs} >= {"SeedCNN", "ResNet", "autocast_fn", "nnx"}
+    assert {op_name_path(g.op_name)[1] for g in gemms} == {False, True}
+    wrong = [(g.kind, g.operands, g.op_name) for g in gemms if g.operands != (want, want)]
+    assert not wrong, wrong
+    # f32 accumulation: every GEMM sums in float32 (a Triton fusion's dot returns f32 even where
+    # the fusion rounds its output); cuDNN's 16-bit convolutions accumulate in fp32 themselves.
+    assert {g.accumulates for g in mats} == {"f32"}
+    assert {g.result for g in convs} <= {"f32", want}
+    assert (report.fp32_gemms() == []) == (policy != "float32")
+    if policy != "float32":  # "auto" resolved for the GPU target: 16-bit activations
+        assert report.activations == ("compute",)
+    # Flax's attention in the LM: batched GEMMs and a softmax, not cuDNN's fused kernel.
+    (attention,) = report.attention
+    assert attention.path == "DecoderBlock_0/MultiHeadDotProductAttention_0"
+    assert not attention.fused and attention.forward == 2 and attention.backward >= 2
+
+
+def test_compile_for_memory_equals_xla_analysis_and_its_dtype_split_sums(five):
+    policy, report = five
+    m = report.memory
+    assert sum(m.temporaries_by_dtype.values()) == m.temporaries
+    assert set(m.temporaries_by_dtype) == set(buffers.CLASSES)
+    assert m.peak == m.arguments + m.outputs - m.aliased + m.temporaries
+    assert m.hbm == target_lib.GPUS["h200"].hbm_bytes
+    assert sum(m.arguments_by_dtype.values()) == m.arguments
+    if policy == "mixed_bfloat16":  # 16-bit activations: bf16 values among the temporaries
+        assert m.temporaries_by_dtype["bf16"] > 0
+    data = report.to_dict()
+    assert data["memory"]["temporaries"] == m.temporaries and data["fits"] is True
+    assert "attention" in data and data["gemms"]
+
+
+def test_compile_for_memory_numbers_are_xla_memory_analysis():
+    """The report's figures are XLA's own (memory_analysis of the same executable)."""
+    w = jax.ShapeDtypeStruct((256, 512), jnp.float32)
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+
+    def f(w, x):
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    report = jamp.compile_for(jax.grad(f), w, x, target="h100")
+    device = target_lib.get_target("h100").devices[0]
+    s = jax.sharding.SingleDeviceSharding(device)
+    lowered = jax.jit(jax.grad(f)).lower(
+        jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=s),
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+    )
+    stats = lowered.compile().memory_analysis()
+    m = report.memory
+    assert (m.arguments, m.outputs, m.aliased, m.temporaries) == (
+        stats.argument_size_in_bytes,
+        stats.output_size_in_bytes,
+        stats.alias_size_in_bytes,
+        stats.temp_size_in_bytes,
+    )
+    assert m.arguments == (256 * 512 + 64 * 256) * 4 and report.gemms  # f32 control: f32 GEMMs
+    assert report.fp32_gemms() and report.memory.hbm == target_lib.GPUS["h100"].hbm_bytes
+
+
+# ----- fp8: cuBLASLt fp8 GEMMs at every fp8 site
+
+
+def test_compile_for_fp8_sites_run_cublaslt_fp8_gemms_forward_and_backward():
+    model = jamp.wrap(
+        TransformerLM(64, num_layers=1, d_model=32, num_heads=2, mlp_dim=64), "mixed_fp8"
+    )
+    tokens = jnp.zeros((2, 16), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+
+    def loss(p):
+        return jnp.sum(model.apply({"params": p}, tokens) ** 2)
+
+    report = jamp.compile_for(
+        jax.grad(loss),
+        params,
+        target=H200,
+        compiler_options={"xla_gpu_enable_triton_gemm": False},  # the cuBLASLt path
+    )
+    by_site = {}
+    for g in report.gemms:
+        path, backward = op_name_path(g.op_name)
+        by_site.setdefault(path, []).append((g, backward))
+    fp8_sites = {p for p, gs in by_site.items() if any(g.kind == "cuBLASLt fp8" for g, _ in gs)}
+    dense = {"DecoderBlock_0/Dense_0", "DecoderBlock_0/Dense_1"}
+    attn = "DecoderBlock_0/MultiHeadDotProductAttention_0"
+    assert dense <= fp8_sites and any(s.startswith(attn + "/") for s in fp8_sites)
+    for site in fp8_sites:  # all fp8, nothing else at an fp8 site
+        gemms = by_site[site]
+        assert all(g.kind == "cuBLASLt fp8" for g, _ in gemms), site
+        assert all(set(g.operands) <= {"f8e4m3fn", "f8e5m2"} for g, _ in gemms)
+        assert True in {b for _, b in gemms}, site  # its backward GEMMs
+    # Forward GEMMs too; XLA may merge the q/k/v projections' forward GEMMs into one, so those
+    # count together.
+    forward = {p for p in fp8_sites if False in {b for _, b in by_site[p]}}
+    assert dense | {attn + "/out"} <= forward
+    assert any(p.startswith(attn + "/") and p != attn + "/out" for p in forward)
+    # What the policy keeps bf16: attention's batched matmuls and the (tied) output head.
+    others = [(p, g) for p, gs in by_site.items() if p not in fp8_sites for g, _ in gs]
+    assert others and all(g.operands == ("bf16", "bf16") for _, g in others)
+    assert {p for p, g in others if not g.batched} == {"Embed_0"}
+    assert {p for p, g in others if g.batched} == {attn}
+
+
+# ----- FSDP on 8 H200s: what crosses the wire
+
+
+def _lm_state(policy, mesh):
+    model = jamp.wrap(
+        TransformerLM(256, num_layers=2, d_model=64, num_heads=4, mlp_dim=128, max_len=32), policy
+    )
+    tokens = jnp.zeros((16, 33), jnp.int32)
+    tx = optax.adamw(1e-3)
+    params = jax.eval_shape(model.init, jax.random.key(0), tokens[:, :-1])["params"]
+    state = jax.eval_shape(lambda: jamp.TrainState.create(params, tx))
+
+    def loss_fn(p, model_state, batch, rng):
+        logits = model.apply({"params": p}, batch[:, :-1])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+        return loss, (model_state, {})
+
+    reduce = jamp.precision.reduce_dtype(jamp.get_policy(policy))
+    step = jamp.make_train_step(loss_fn, tx, reduce_dtype=None if reduce == np.float32 else reduce)
+    shardings = sharding.state_shardings(state, mesh)
+    p_step = sharding.make_sharded_train_step(step, mesh, shardings)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    return state, p_step, tokens, key
+
+
+@pytest.mark.parametrize(
+    "mesh_spec,policy,gathered,reduced",
+    [
+        ("fsdp=8", "mixed_bfloat16", {"bf16"}, "f32"),
+        ("data=2,fsdp=4", "mixed_bfloat16,reduce=bf16", {"bf16"}, "bf16"),
+        ("fsdp=8", "mixed_fp8", {"f8e4m3fn"}, "f32"),
+    ],
+)
+def test_compile_for_fsdp_gathers_weights_in_the_compute_dtype(
+    mesh_spec, policy, gathered, reduced
+):
+    target = target_lib.get_target("h200x8")
+    mesh = target.mesh(mesh_spec)
+    state, step, tokens, key = _lm_state(policy, mesh)
+    report = jamp.compile_for(step, state, tokens, key, target=target)
+    from jamp import hlo
+
+    found = hlo.collectives(report.hlo_text)
+    # The matmul weights (kernels) as each device receives them: gathered over fsdp in the
+    # compute dtype (fp8 for fp8 matmuls), whole. The tied embedding, read by the head's bf16
+    # matmul and by the row lookup, is gathered in bf16 or float32.
+    fsdp = dict(mesh.shape)["fsdp"]
+
+    def dims(shape):  # XLA may gather a kernel in another layout (transposed)
+        return tuple(sorted(shape))
+
+    kernels = {
+        dims(x.shape)
+        for path, x in jax.tree_util.tree_flatten_with_path(state.params)[0]
+        if "kernel" in str(path[-1])
+    }
+    gathers = [c for c in found if c.kind == "all-gather" and c.into_matmul]
+    weights = [c for c in gathers if dims(c.shape) in kernels]
+    assert {dims(c.shape) for c in weights} == kernels
+    assert {c.dtype for c in weights} == gathered
+    assert all(c.dtype in ("bf16", "f32") for c in gathers if dims(c.shape) not in kernels)
+    # Their gradients leave the matmuls reduce-scattered in the reduce dtype.
+    grads = [c for c in found if c.kind in ("reduce-scatter", "all-reduce") and c.from_matmul]
+    shards = {dims(s[:i] + (s[i] // fsdp,) + s[i + 1 :]) for s in kernels for i in range(len(s))}
+    assert {dims(c.shape) for c in grads} & shards
+    assert {c.dtype for c in grads if dims(c.shape) in shards} == {reduced}
+    assert {a for c in report.collectives for a in c.axes} <= {"data", "fsdp"}
+    assert any(c.axes == ("fsdp",) and c.kind == "all-gather" for c in report.collectives)
+    # Per device: an fsdp-th of the state, plus the leaves describe names as replicated; the
+    # report's arguments are that, this device's rows of the batch and the key.
+    leaves = jax.tree.leaves(state)
+    specs = jax.tree.leaves(sharding.state_shardings(state, mesh))
+    nbytes = [int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves]
+    replicated = sum(n for n, s in zip(nbytes, specs) if s.is_fully_replicated)
+    data = dict(mesh.shape).get("data", 1)
+    per_device = (sum(nbytes) - replicated) / fsdp + replicated
+    assert "replicated" in sharding.describe(state, mesh)
+    batch = tokens.size * 4 // (fsdp * data)
+    assert report.memory.arguments == pytest.approx(per_device + batch + 8, abs=64)
