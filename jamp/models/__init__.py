@@ -10,10 +10,12 @@ from typing import Callable
 
 from jamp.models import nnx_models
 from jamp.models.cnn import SeedCNN
+from jamp.models.llama import LlamaLM
 from jamp.models.resnet import ResNet, resnet18, resnet20
 from jamp.models.transformer import TransformerLM
 
 __all__ = [
+    "LlamaLM",
     "MODELS",
     "NnxModel",
     "ResNet",
@@ -33,6 +35,10 @@ def _seed_cnn(num_classes, **kwargs):
 
 def _transformer_lm(num_classes, **kwargs):
     return TransformerLM(vocab_size=num_classes, **kwargs)
+
+
+def _llama_lm(num_classes, **kwargs):
+    return LlamaLM(vocab_size=num_classes, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +82,7 @@ _REGISTRY = {
     "resnet20": (resnet20, "classification"),
     "resnet18": (resnet18, "classification"),
     "transformer_lm": (_transformer_lm, "lm"),
+    "llama_lm": (_llama_lm, "lm"),
     # The same architectures in Flax NNX (jamp.models.nnx_models), wrapped by jamp.wrap's NNX path.
     "seed_cnn_nnx": (_nnx("seed_cnn_nnx", nnx_models.SeedCNN, "image_shape"), "classification"),
     "resnet20_nnx": (_nnx("resnet20_nnx", _resnet20_nnx_cls, "image_shape"), "classification"),

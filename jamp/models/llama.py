@@ -1,0 +1,135 @@
+"""A Llama-style decoder-only language model: RMSNorm, rotary positions, grouped-query attention,
+SwiGLU MLP, untied output head, no biases.
+
+With V = vocab_size, d = d_model, N = num_layers, m = mlp_dim and
+h_kv = d / num_heads * num_kv_heads (the width of k and of v), the parameter count is
+
+  2 V d + d + N (2 d^2 + 2 d h_kv + 3 d m + 2 d)
+
+(embedding and head; final norm; per block q and o, k and v, gate / up / down, two norms).
+Llama-2-7B's shapes (V 32000, d 4096, N 32, m 11008, h_kv = d) give 6,738,415,616.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+def rotate(x_BLHD, theta: float):
+    """Rotary position embedding: rotates each pair (x_i, x_{i + D/2}) of a head's D features by
+    the angle position * theta^(-2i/D), positions 0 .. L-1 (the "rotate half" pairing of GPT-NeoX
+    and Hugging Face's Llama).
+    """
+    length, head_dim = x_BLHD.shape[1], x_BLHD.shape[-1]
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2) / head_dim)
+    angles = jnp.arange(length)[:, None] * inv_freq[None, :]  # [L, D/2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]  # the same for all heads
+    x1, x2 = jnp.split(x_BLHD, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with rotary positions; k / v heads are shared by groups of q heads."""
+
+    num_heads: int
+    num_kv_heads: int
+    rope_theta: float
+
+    @nn.compact
+    def __call__(self, x_BLD):
+        d_model = x_BLD.shape[-1]
+        head_dim = d_model // self.num_heads
+
+        def dense(heads, name):  # x [B, L, d] -> [B, L, heads, head_dim]
+            return nn.DenseGeneral((heads, head_dim), use_bias=False, name=name)
+
+        q_BLHD = rotate(dense(self.num_heads, "q")(x_BLD), self.rope_theta)
+        k_BLKD = rotate(dense(self.num_kv_heads, "k")(x_BLD), self.rope_theta)
+        v_BLKD = dense(self.num_kv_heads, "v")(x_BLD)
+        group = self.num_heads // self.num_kv_heads
+        k_BLHD = jnp.repeat(k_BLKD, group, axis=2)
+        v_BLHD = jnp.repeat(v_BLKD, group, axis=2)
+
+        scores_BHLL = jnp.einsum("bqhd,bkhd->bhqk", q_BLHD, k_BLHD) * head_dim**-0.5
+        positions = jnp.arange(x_BLD.shape[1])
+        causal_LL = positions[:, None] >= positions[None, :]  # query i sees keys 0 .. i
+        scores_BHLL = jnp.where(causal_LL, scores_BHLL, jnp.finfo(scores_BHLL.dtype).min)
+        weights_BHLL = jax.nn.softmax(scores_BHLL, axis=-1)
+        out_BLHD = jnp.einsum("bhqk,bkhd->bqhd", weights_BHLL, v_BLHD)
+        return nn.DenseGeneral(d_model, axis=(-2, -1), use_bias=False, name="o")(out_BLHD)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    mlp_dim: int
+
+    @nn.compact
+    def __call__(self, x_BLD):
+        gate = nn.Dense(self.mlp_dim, use_bias=False, name="gate")(x_BLD)
+        up = nn.Dense(self.mlp_dim, use_bias=False, name="up")(x_BLD)
+        return nn.Dense(x_BLD.shape[-1], use_bias=False, name="down")(nn.silu(gate) * up)
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm attention and MLP, each with a residual connection."""
+
+    num_heads: int
+    num_kv_heads: int
+    mlp_dim: int
+    rope_theta: float
+
+    @nn.compact
+    def __call__(self, x_BLD):
+        attn = Attention(self.num_heads, self.num_kv_heads, self.rope_theta, name="attn")
+        x_BLD = x_BLD + attn(nn.RMSNorm(name="attn_norm")(x_BLD))
+        return x_BLD + SwiGLU(self.mlp_dim, name="mlp")(nn.RMSNorm(name="mlp_norm")(x_BLD))
+
+
+class LlamaLM(nn.Module):
+    """Next-token logits [batch, length, vocab] for integer tokens [batch, length].
+
+    num_kv_heads must divide num_heads (num_kv_heads == num_heads: plain multi-head attention),
+    num_heads must divide d_model into an even head size, and length must be at most max_len.
+
+    Example::
+
+      model = LlamaLM(vocab_size=256, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
+                      mlp_dim=64, max_len=128)
+      logits_BLV = model.apply(variables, tokens_BL)
+    """
+
+    vocab_size: int
+    num_layers: int
+    d_model: int
+    num_heads: int
+    num_kv_heads: int
+    mlp_dim: int
+    max_len: int
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):  # checked on construction, so that a bad config fails in one line
+        head_dim, odd = divmod(self.d_model, self.num_heads)
+        if odd or head_dim % 2 or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"LlamaLM needs num_heads dividing d_model into an even head size and "
+                f"num_kv_heads dividing num_heads; got d_model {self.d_model}, num_heads "
+                f"{self.num_heads}, num_kv_heads {self.num_kv_heads}"
+            )
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, tokens_BL, train: bool = False):
+        del train  # no dropout, as in Llama
+        if tokens_BL.shape[1] > self.max_len:
+            raise ValueError(
+                f"LlamaLM: sequence length {tokens_BL.shape[1]} exceeds max_len {self.max_len}"
+            )
+        x_BLD = nn.Embed(self.vocab_size, self.d_model, name="embed")(tokens_BL)
+        for i in range(self.num_layers):
+            block = LlamaBlock(
+                self.num_heads, self.num_kv_heads, self.mlp_dim, self.rope_theta, name=f"layers_{i}"
+            )
+            x_BLD = block(x_BLD)
+        x_BLD = nn.RMSNorm(name="final_norm")(x_BLD)
+        return nn.Dense(self.vocab_size, use_bias=False, name="lm_head")(x_BLD)
