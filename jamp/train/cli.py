@@ -62,6 +62,21 @@ _DISTRIBUTED = flags.DEFINE_bool(
 )
 
 
+# Compile the recipe's step for GPUs instead of training it (jamp.train.plan).
+_COMPILE_FOR = flags.DEFINE_string(
+    "compile_for",
+    None,
+    "Compile the recipe's train step for a GPU target instead of training (h100, h200, b200; "
+    "xN GPUs per host, e.g. h200x8; 'Mx h200x8' for M hosts): print its memory per device, "
+    "GEMMs, attention and collectives, whether it fits, and the largest global batch that does. "
+    "Nothing is allocated, no data is read; needs JAX's CUDA plugin (pip install "
+    "'jamp[gpu-compile]'), not a GPU.",
+)
+_SEARCH_BATCH = flags.DEFINE_bool(
+    "search_batch", True, "With --compile_for: search the largest global batch that fits."
+)
+
+
 def recipe_names() -> list[str]:
     """The recipes that `--config=<name>` can name."""
     return sorted(p.stem for p in RECIPES_DIR.glob("*.py") if not p.stem.startswith("_"))
@@ -190,6 +205,9 @@ def main(argv: list[str], config, workdir) -> None:
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}; pass settings as --config.<field>=<value>")
     _quiet_logs()
+    if _COMPILE_FOR.value is not None:
+        _plan(config, workdir)
+        return
     # Imported here so that flag errors do not pay for importing JAX and TensorFlow.
     from jamp.train import loop
     from jamp.train.checkpoint import CheckpointError
@@ -207,6 +225,23 @@ def main(argv: list[str], config, workdir) -> None:
     except loop.TrainingDiverged as e:  # not a usage mistake: its own exit status
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_DIVERGED)
+
+
+def _plan(config, workdir) -> None:
+    """--compile_for: the recipe's step compiled for GPUs, reported; nothing trained."""
+    from jamp.target import TargetUnavailable
+    from jamp.train import plan
+    from jamp.train.data import DataError
+    from jamp.train.run_config import ConfigError
+
+    try:
+        resolved = config.value.to_dict() and config.value
+    except Exception as e:
+        _fail(f"cannot load the config file: {_one_line(e, last=True)}")
+    try:
+        plan.run_plan(resolved, _COMPILE_FOR.value, workdir.value, _SEARCH_BATCH.value)
+    except (ConfigError, DataError, TargetUnavailable) as e:
+        _fail(str(e))
 
 
 def run() -> None:

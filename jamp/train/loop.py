@@ -54,23 +54,32 @@ def build_model(run: RunConfig, data_cfg, task: str):
     `jamp.train.data.DataError`, with one-line messages; writes nothing.
     """
     dataset = data_lib.get_dataset(data_cfg, jax.device_count())
-    if dataset.info.task != task:
+    return dataset, make_model(run, dataset.info, task, data_cfg.dataset)
+
+
+def make_model(run: RunConfig, info, task: str, dataset: str):
+    """The wrapped model of a parsed config, for data described by `info` (the `DatasetInfo` of
+    dataset `dataset`).
+
+    Raises ConfigError with a one-line message (the model does not fit the data, a bad
+    model_config or override).
+    """
+    if info.task != task:
         raise ConfigError(
-            f"model {run.model!r} trains on {task} data but dataset {data_cfg.dataset!r} is "
-            f"{dataset.info.task} data"
+            f"model {run.model!r} trains on {task} data but dataset {dataset!r} is {info.task} data"
         )
     try:
-        model = get_model(run.model, dataset.info.num_classes, **run.model_config)
+        model = get_model(run.model, info.num_classes, **run.model_config)
         if isinstance(model, NnxModel):  # built by init, once the input shape is known
             model = LinenView(model, run.policy, run.activations)
         else:
             model = wrap(model, run.policy, activations=run.activations)
         if run.keep_in_float32:  # first:N / last:N need the model's blocks
-            static = keep_in_float32(run, model, dataset.info)
+            static = keep_in_float32(run, model, info)
             model = adapting.rewrap(model, static)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return dataset, model
+    return model
 
 
 def keep_in_float32(run: RunConfig, model, info) -> dict:

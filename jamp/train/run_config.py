@@ -114,8 +114,11 @@ def _positive(config, *names):
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
-def parse_config(config: ml_collections.ConfigDict):
+def parse_config(config: ml_collections.ConfigDict, devices=None):
     """Validates `config` and splits it into (RunConfig, DataConfig, OptimConfig).
+
+    `devices` are those the run is for: `jax.devices()` when None; a GPU target's devices when
+    the step is only compiled for them (`--compile_for`).
 
     Raises:
       ConfigError: with a one-line message naming the bad field and what is accepted.
@@ -161,15 +164,15 @@ def parse_config(config: ml_collections.ConfigDict):
             f"max_grad_norm must be >= 0 (0: no clipping), got {config.max_grad_norm}"
         )
     # Checked here rather than when the step is traced, after the workdir has been written.
-    devices = jax.device_count()
-    per_device, remainder = divmod(config.batch_size, devices)
+    count = jax.device_count() if devices is None else len(devices)
+    per_device, remainder = divmod(config.batch_size, count)
     if not remainder and per_device % config.accumulation_steps:
         raise ConfigError(
             f"accumulation_steps {config.accumulation_steps} does not divide the per-device batch "
-            f"of {per_device} (batch_size {config.batch_size} over {devices} devices): use a "
-            f"batch_size that is a multiple of {devices * config.accumulation_steps}"
+            f"of {per_device} (batch_size {config.batch_size} over {count} devices): use a "
+            f"batch_size that is a multiple of {count * config.accumulation_steps}"
         )
-    mesh = _mesh(config)
+    mesh = _mesh(config, devices)
     run = RunConfig(
         model=config.model,
         model_config=config.model_config.to_dict(),
@@ -286,7 +289,7 @@ def _profile_steps(config) -> int:
     return value
 
 
-def _mesh(config):
+def _mesh(config, devices=None):
     """The device mesh of a sharded run (None under pmap), or a one-line ConfigError."""
     if config.parallelism not in PARALLELISM:
         raise ConfigError(
@@ -295,7 +298,7 @@ def _mesh(config):
     if config.parallelism == "pmap":
         return None
     try:
-        mesh = sharding.make_mesh(config.mesh)
+        mesh = sharding.make_mesh(config.mesh, devices)
     except ValueError as e:
         raise ConfigError(f"mesh: {e}") from None
     return mesh

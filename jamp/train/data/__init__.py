@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 from jamp.train.data.config import DataConfig, DataError, DatasetInfo, resolve_data_dir
 from jamp.train.data.pipeline import Dataset, normalize_images
-from jamp.train.data.registry import DATASETS, get_dataset, prepare, prepare_digits
+from jamp.train.data.registry import DATASETS, get_dataset, prepare, prepare_digits, shapes
 
 
 def next_timed(batches: Iterator[dict]) -> tuple[dict, float]:
@@ -45,4 +45,5 @@ __all__ = [
     "prepare",
     "prepare_digits",
     "resolve_data_dir",
+    "shapes",
 ]

@@ -167,6 +167,47 @@ def get_dataset(cfg: DataConfig, num_devices: int) -> Dataset:
     )
 
 
+# One example's shape and the class count of each stored dataset, for `shapes`.
+_SHAPES = {
+    "digits": ((8, 8, 1), 10),
+    "mnist": ((28, 28, 1), 10),
+    "fashion_mnist": ((28, 28, 1), 10),
+    "cifar10": ((32, 32, 3), 10),
+}
+
+
+def shapes(cfg: DataConfig) -> DatasetInfo:
+    """What `get_dataset(cfg, ...).info` says of the model's input, without opening anything:
+    task, input shape and classes (vocabulary); the example counts are 0. For compiling a step
+    abstractly (`python -m jamp.train --compile_for=...`).
+
+    Raises:
+      DataError: an unknown dataset, or bad synthetic sizes.
+    """
+    if cfg.dataset not in DATASETS:
+        raise DataError(
+            f"unknown dataset '{cfg.dataset}': known datasets are {', '.join(DATASETS)}"
+        )
+    if cfg.seq_len < 1:
+        raise DataError(f"seq_len must be >= 1, got {cfg.seq_len}")
+    if cfg.dataset in _SHAPES:
+        shape, classes = _SHAPES[cfg.dataset]
+        return DatasetInfo("classification", shape, classes, 0, 0)
+    if cfg.dataset == "synthetic_images":
+        shape = tuple(cfg.image_shape)
+        if len(shape) != 3 or min(shape) < 1 or cfg.num_classes < 1:
+            raise DataError(
+                f"synthetic images need image_shape (H, W, C) and num_classes >= 1, got {shape} "
+                f"and {cfg.num_classes}"
+            )
+        return DatasetInfo("classification", shape, cfg.num_classes, 0, 0)
+    if cfg.dataset == "synthetic_tokens":
+        if cfg.vocab_size < 1:
+            raise DataError(f"vocab_size must be >= 1, got {cfg.vocab_size}")
+        return DatasetInfo("lm", (cfg.seq_len,), cfg.vocab_size, 0, 0)
+    return DatasetInfo("lm", (cfg.seq_len,), 256, 0, 0)  # the byte-level text datasets
+
+
 def prepare(name: str, data_dir: str | None = None) -> str:
     """Downloads (if needed) and prepares dataset `name` for offline use; returns its data_dir.
 

@@ -1,0 +1,131 @@
+"""`python -m jamp.train --compile_for=<target>`: a recipe's step compiled for GPUs, reported.
+
+The runs compile for an H200 target on this CPU (JAX's CUDA plugin, no GPU); they skip, saying
+so, where the plugin is absent. The batch search is checked on its own against known peaks.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jamp import target as target_lib
+from jamp.train import plan
+
+needs_plugin = pytest.mark.skipif(
+    not target_lib.plugin_available(),
+    reason="JAX's CUDA plugin is not installed (pip install 'jamp[gpu-compile]')",
+)
+GIB = 1 << 30
+
+
+def _affine(fixed, per_example, wobble=0):
+    calls = []
+
+    def peak(batch):
+        calls.append(batch)
+        return int(fixed + per_example * batch + wobble * (batch % 7))
+
+    return peak, calls
+
+
+def test_search_batch_finds_the_largest_fitting_multiple_within_its_resolution():
+    peak, calls = _affine(5e9, 1.3e7, wobble=1e6)
+    usable = 105 * GIB  # true answer: (usable - 5e9) / 1.3e7 = 8288.x
+    found = plan.search_batch(peak, 8, 8, usable, known={8: peak(8)})
+    assert found.complete and found.batch % 8 == 0 and found.above % 8 == 0
+    assert found.batch <= 8288 < found.above and found.above - found.batch <= found.batch // 32
+    assert peak(found.batch) <= usable < peak(found.above)
+    assert len(calls) <= 7  # the known start and at most 6 compiles
+
+
+def test_search_batch_from_above_and_when_nothing_fits():
+    peak, _ = _affine(5e9, 1.3e7)
+    found = plan.search_batch(peak, 20000, 8, 105 * GIB)
+    assert found.complete and found.batch <= 8288 < found.above
+    nothing = plan.search_batch(lambda b: 200 * GIB, 8, 8, 105 * GIB)
+    assert nothing.batch is None and nothing.above == 8 and nothing.complete
+
+
+def test_search_batch_stops_at_its_compile_budget_and_says_so():
+    peak, calls = _affine(1e9, 1e3)  # a tiny model: millions of examples would fit
+    found = plan.search_batch(peak, 8, 8, 105 * GIB, max_compiles=3, known={8: peak(8)})
+    assert not found.complete and found.above is None and len(calls) == 4
+    line = plan._search_line(found, 105 * GIB, 0.75)
+    assert "or more: the search stopped" in line and f"{found.batch}" in line
+
+
+def _run(args, tmp_path, **env):
+    environ = dict(os.environ, TFDS_DATA_DIR=str(tmp_path / "data"), **env)
+    return subprocess.run(
+        [sys.executable, "-m", "jamp.train", *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=environ,
+        timeout=900,
+    )
+
+
+@pytest.mark.program
+def test_compile_for_a_bad_target_is_one_line(tmp_path):
+    out = _run(["--config=lm_pydoc:smoke", "--compile_for=a100"], tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "error: --compile_for: unknown target 'a100'; targets: h100, h200, b200, each with xN "
+        "for N GPUs in a host (h200x8) and Mx in front for M hosts (2x h200x8)"
+    ]
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.program
+@needs_plugin
+def test_compile_for_reports_a_sharded_recipe_on_8_h200s_without_data(tmp_path):
+    out = _run(
+        [
+            "--config=lm_pydoc:smoke",
+            "--compile_for=h200x8",
+            "--config.parallelism=sharded",
+            "--config.mesh=data=2,fsdp=4",
+            "--search_batch=false",
+            f"--workdir={tmp_path / 'plan'}",
+        ],
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "sharded jit, mesh data=2, fsdp=4, global batch 8" in text
+    assert "compiled for h200x8 (8 x NVIDIA H200" in text and "mesh data=2, fsdp=4" in text
+    assert "activations: compute (16-bit between matmuls)" in text
+    assert "float32 GEMMs: none" in text and "fits in" in text
+    assert "all-gather         bf16      over fsdp" in text
+    assert "largest global batch" not in text  # --search_batch=false
+    report = json.loads((tmp_path / "plan" / "compile_for_h200x8.json").read_text())
+    assert report["mesh"] == {"data": 2, "fsdp": 4} and report["fits"] is True
+    assert report["memory"]["peak"] > 0 and report["fp32_gemms"] == []
+    # Nothing read: the data directory was never even created.
+    assert not (tmp_path / "data").exists()
+    assert out.stderr.strip() == "", out.stderr
+
+
+@pytest.mark.program
+@needs_plugin
+def test_compile_for_searches_the_largest_batch_in_the_memory_jax_would_take(tmp_path):
+    """Under pmap on one H200, with JAX's pool set so small that the smoke LM's batch of 8 does
+    not fit: the program says so and finds the batch that does."""
+    fraction = 5.2e-6  # ~0.75 MiB of the H200's 140 GiB
+    out = _run(
+        ["--config=lm_pydoc:smoke", "--compile_for=h200"],
+        tmp_path,
+        XLA_PYTHON_CLIENT_MEM_FRACTION=str(fraction),
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    (verdict,) = [ln for ln in lines if "of HBM: the pool" in ln]
+    (found,) = [ln for ln in lines if ln.startswith(("largest global batch", "no global batch"))]
+    assert "does NOT fit" in verdict
+    assert found.startswith("largest global batch that fits in"), found
+    batch = int(found.split(": ")[1].split(" ")[0])
+    assert 1 <= batch < 8
