@@ -18,8 +18,7 @@ under the policies "float32" (default matmul precision: true fp32 on CPU), "mixe
   memory     XLA's memory analysis of the compiled step (argument, output, alias, temp, peak: per
              device, for the pmapped program too) at the global batch and, compiled only, at
              1/2, 4 and 8 times it (--quick: 1/2 and 2), and jamp.sharding.describe's state bytes per device;
-             from them per-param and per-token costs, and the largest model that fits
-             80 GB / 141 GB per device;
+             from them per-param and per-token costs (what fits a GPU: gpu_compile.py);
   step time  interleaved in rounds (experiments/_timing.py), ratios against pmap float32
              (float32 and mixed_bfloat16 only: on CPU 16-bit collectives run in float32);
   wire bytes the collectives of the partitioned program (jamp.sharding.collectives, and
@@ -74,10 +73,6 @@ POLICIES = ("float32", "mixed_bfloat16", "mixed_bfloat16,reduce=bf16")
 TIMED = ("float32", "mixed_bfloat16")  # reduce=bf16 only for the wire bytes (see docstring)
 BASE = ("pmap", "float32")
 MIB = 2**20
-# Per-device memories the fit is computed for (decimal GB: A100/H100 80 GB, H200 141 GB).
-BUDGETS = {"80 GB": 80e9, "141 GB": 141e9}
-# The model family the fit extrapolates to (see fit_lines): GPT-like, d_model = 128 x layers.
-ASPECT, FIT_TOKENS = 128, 2048
 
 # ladder: batch sizes (x the global batch) compiled for memory only; the smallest bounds the temp
 # that does not grow with the batch, the two largest give the temp per token (see costs).
@@ -271,7 +266,7 @@ def bench_width(cfg, d_model, steps):
     return {"d": d_model, "params": n_params, "infos": infos}
 
 
-# ----- deriving: memory per param and per token, and the largest model that fits
+# ----- deriving: memory per param and per token
 
 
 def costs(res, cfg):
@@ -300,36 +295,6 @@ def costs(res, cfg):
             "over": max(model.values()),  # its largest overestimate on the ladder
         }
     return out
-
-
-def largest(st, a, g, k, budget):
-    """Params of the largest GPT-shaped model (d = ASPECT x layers, P = 12 layers d^2) with
-    st P + max(a P, g P + k FIT_TOKENS layers d) <= budget (layers continuous)."""
-    lo, hi = 0.0, 1e4
-    for _ in range(200):
-        n = (lo + hi) / 2
-        d = ASPECT * n
-        params = 12 * n * d * d
-        if st * params + max(a * params, g * params + k * FIT_TOKENS * n * d) <= budget:
-            lo = n
-        else:
-            hi = n
-    return 12 * lo * (ASPECT * lo) ** 2
-
-
-def fit_rows(c, policies):
-    """(layout, policy, (s, a, g) B/param, k, {budget: (state-bound, with activations)})."""
-    rows = []
-    for policy in policies:
-        k = max(c[(lay, policy)]["k"] for lay in LAYOUTS)  # per layout in the table; the largest
-        coeffs = [(lay, tuple(c[(lay, policy)][x] for x in "sag")) for lay in LAYOUTS]
-        s8, a8, g8 = coeffs[LAYOUTS.index("fsdp=8")][1]
-        # More devices: the state splits further; the temps are held at fsdp=8's (see fit_lines).
-        coeffs += [(f"fsdp={n} (extrapolated)", (s8 * 8 / n, a8, g8)) for n in (64, 512)]
-        for name, (st, a, g) in coeffs:
-            fits = {b: (m / (st + max(a, g)), largest(st, a, g, k, m)) for b, m in BUDGETS.items()}
-            rows.append((name, policy, (st, a, g), k, fits))
-    return rows
 
 
 # ----- reporting
@@ -432,13 +397,19 @@ def wire_headline(res):
     ] + rows
 
 
+GPU_RESULTS = "gpu_compile_h200.md"
+
+
 def fit_lines(results, cfg):
-    res = results[-1]  # the largest width: the least dominated by per-program constants
-    c = costs(res, cfg)
-    tokens = sorted(res["infos"][BASE]["temps"])
+    """The CPU program's memory per param and per token. Which models and batches fit a GPU is
+    no longer extrapolated from them: the H200's compiler answers it (experiments/gpu_compile.py)."""
+    tokens = sorted(results[-1]["infos"][BASE]["temps"])
     lines = [
-        f"From the d_model={res['d']} model ({res['params']:,} params). Per device and step, with "
-        "P params and T tokens per device:",
+        "Which model and batch fit a GPU's memory is no longer extrapolated from these CPU "
+        f"programs: `experiments/gpu_compile.py` compiles the steps for 8 H200s ({GPU_RESULTS}: "
+        "the 1.5B and 7B Llama-style decoders under pmap, fsdp=8 and data=2,fsdp=4, per-device "
+        "memory, bytes on the wire by dtype, the largest global batch that fits). What this CPU "
+        "program costs, per device and step, with P params and T tokens per device:",
         "",
         "    memory(P, T) = s·P + max(a·P, g·P + κ·T)",
         "",
@@ -448,34 +419,13 @@ def fit_lines(results, cfg):
         "activations need not be live at once. Each step is compiled at "
         + ", ".join(str(t) for t in tokens)
         + " tokens per device (never run); κ is the slope of temp between the two largest, g·P "
-        "the smallest intercept that puts g·P + κ·T over every measured point (what is live "
-        "beside the activations: gradients, gathered weights; XLA's buffer assignment is not "
-        "smooth in T, so this is an upper envelope), a·P the temp at the smallest batch (the "
-        "optimizer update's temps, and a few activations); the per-width table below shows how "
-        "far the model lies above the measured temps;",
-        "- more devices (fsdp=64, 512): s = fsdp=8's s · 8/F; a and g are held at fsdp=8's, since the temps "
-        "did not shrink from 4-way to 8-way FSDP (compare the rows; on XLA:CPU the weight "
-        "gradients are all-reduced at full size and sliced afterwards, see the wire tables), so "
-        "these rows are what XLA:CPU's program would need, not what a reduce-scatter would;",
-        "- activations: k = κ / (layers · d_model) bytes per token per layer per unit of width "
-        "(the largest over layouts) extrapolated to a GPT-shaped family: d_model = "
-        f"{ASPECT} · layers, P = 12 · layers · d_model², T = {FIT_TOKENS} tokens per device, "
-        "κ = k · layers · d_model. Assumes no rematerialization, activations as on this CPU "
-        "(float32 between matmuls: jamp.wrap keeps them float32 on CPUs; 16-bit activations on "
-        "a GPU would about halve k), attention scores and logits scaled like the rest (they are "
-        "not: scores grow with seq², logits with vocab), XLA:CPU's gradient all-reduces (see "
-        "the notes), and nothing reserved by the runtime. state-bound = budget / (s + max(a, g)) "
-        "(activations taken as zero). 1 GB = 10^9 bytes; B = 10^9 params.",
+        "the smallest intercept that puts g·P + κ·T over every measured point (XLA's buffer "
+        "assignment is not smooth in T, so this is an upper envelope), a·P the temp at the "
+        "smallest batch; k = κ / (layers · d_model). XLA:CPU keeps activations float32 "
+        "(jamp.wrap's choice on CPUs) and all-reduces weight gradients at full size, so these "
+        "are not a GPU's costs.",
         "",
-        "| layout | policy | s | a | g B/param/dev | k | "
-        + " | ".join(f"{b}: state-bound | {b}: with activations" for b in BUDGETS)
-        + " |",
-        "|---|---|---|---|---|---|" + "---|---|" * len(BUDGETS),
     ]
-    for name, policy, (st, a, g), k, fits in fit_rows(c, TIMED):
-        cells = " | ".join(f"{x / 1e9:.2f} B | {y / 1e9:.2f} B" for x, y in fits.values())
-        lines.append(f"| {name} | {policy} | {st:.2f} | {a:.2f} | {g:.2f} | {k:.1f} | {cells} |")
-    lines += ["", "Per width (each width's own figures; s, a, g, k should roughly agree):", ""]
     lines += ["| d_model | layout | policy | s | a | g B/param | κ B/token | k "]
     lines[-1] += "| model / measured temp − 1: at the benchmark batch, largest on the ladder |"
     lines += ["|---|---|---|---|---|---|---|---|---|"]
@@ -645,7 +595,8 @@ def report(results, cfg, env, pngs):
     lines += ["", "## Headline: memory per device and step time", ""] + headline_memory(results)
     lines += ["", "## Headline: what crosses the wire (largest width)", ""]
     lines += wire_headline(results[-1])
-    lines += ["", "## Largest model per device memory", ""] + fit_lines(results, cfg)
+    lines += ["", "## Memory per param and per token (and what fits a GPU)", ""]
+    lines += fit_lines(results, cfg)
     for res in results:
         lines += ["", f"## d_model={res['d']} ({res['params']:,} params)", ""]
         lines += ["### Memory (MiB per device, XLA memory analysis)", ""] + memory_table(res)

@@ -11,7 +11,7 @@ both are initialised from the same parameters (the benchmarks check it).
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -83,11 +83,18 @@ class HandDecoderBlock(nn.Module):
     num_heads: int
     mlp_dim: int
     dtype: object
+    attention_fn: Optional[Callable] = None  # Flax's attention_fn; None: Flax's own
 
     @nn.compact
     def __call__(self, x, mask):
         hand = dict(dtype=self.dtype, param_dtype=F32)
-        attn = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, deterministic=True, **hand)
+        if self.attention_fn is not None:
+            hand_attn = dict(hand, attention_fn=self.attention_fn)
+        else:
+            hand_attn = hand
+        attn = nn.MultiHeadDotProductAttention(
+            num_heads=self.num_heads, deterministic=True, **hand_attn
+        )
         x = x + attn(nn.LayerNorm(**hand)(x), mask=mask)
         y = nn.Dense(self.mlp_dim, **hand)(nn.LayerNorm(**hand)(x))
         return x + nn.Dense(x.shape[-1], **hand)(nn.gelu(y))
@@ -101,6 +108,7 @@ class HandLM(nn.Module):
     num_heads: int = 4
     mlp_dim: int = 1024
     max_len: int = 1024
+    attention_fn: Optional[Callable] = None  # e.g. cuDNN's fused attention (gpu_compile.py)
 
     @nn.compact
     def __call__(self, tokens_BL, train: bool = False):
@@ -113,7 +121,11 @@ class HandLM(nn.Module):
         mask = nn.make_causal_mask(tokens_BL)
         for i in range(self.num_layers):  # named like jamp.models' DecoderBlock_i
             x = HandDecoderBlock(
-                self.num_heads, self.mlp_dim, self.dtype, name=f"DecoderBlock_{i}"
+                self.num_heads,
+                self.mlp_dim,
+                self.dtype,
+                self.attention_fn,
+                name=f"DecoderBlock_{i}",
             )(x, mask)
         return embed.attend(nn.LayerNorm(**hand)(x)).astype(F32)
 

@@ -24,7 +24,6 @@ The public API, all documented in the README:
   `Target`, `GPUS`, `TargetUnavailable`).
 """
 
-
 from jamp import adaptive, fp8, hardware, nnx, parallel, sharding, target
 from jamp import jax_compat as _jax_compat
 from jamp.autocast import autocast

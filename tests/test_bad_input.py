@@ -14,6 +14,7 @@ import pytest
 from subproc import cli_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.program
 SMOKE = "--config=configs/default.py:smoke"
 
 # One malformed input a row: id | arguments | what the one line on stderr must contain.

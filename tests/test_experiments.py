@@ -54,6 +54,7 @@ def test_torch_peer_reports_whether_it_can_run():
             peers_torch.make_step("seed_cnn", "float32", {})
 
 
+@pytest.mark.program
 def test_accuracy_fp8_quickest_mode_writes_its_table(tmp_path):
     # One recipe, one seed, a few steps: the four policies through the real program (~30 s).
     out = tmp_path / "accuracy_fp8.md"

@@ -10,6 +10,7 @@ import pytest
 from subproc import cli_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.program
 
 
 def _inspect(*args, timeout=300):

@@ -172,6 +172,7 @@ def test_data_process_slices_concatenate_to_the_global_batch(in_memory, monkeypa
     np.testing.assert_array_equal(parts[2][-1]["mask"], np.zeros(4))
 
 
+@pytest.mark.program
 def test_train_bad_distributed_flags_are_one_line(tmp_path):
     out = subprocess.run(
         _train_cmd(tmp_path / "run", "--num_processes=2", "--process_id=0"),
@@ -187,6 +188,7 @@ def test_train_bad_distributed_flags_are_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.program
 def test_train_two_processes_match_one_process_with_the_same_devices(tmp_path):
     single, multi = tmp_path / "1x4", tmp_path / "2x2"
     # The two processes stop half way and resume: every process restores the checkpoint.
@@ -220,6 +222,7 @@ def test_train_two_processes_match_one_process_with_the_same_devices(tmp_path):
     assert ratio <= PARAM_RTOL, ratio
 
 
+@pytest.mark.program
 def test_train_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
     workdir = tmp_path / "run"
     extra = ["--config.num_train_steps=100000", "--config.checkpoint_every_steps=100000"]
@@ -285,6 +288,7 @@ def sharded(tmp_path_factory):
     return _ShardedRuns(single, multi, intact, first, resumed, stderrs)
 
 
+@pytest.mark.program
 def test_sharded_two_processes_match_one_process_with_the_same_devices(sharded):
     assert "sharded jit, mesh fsdp=4" in sharded.first[0]
     assert "eval accuracy" not in sharded.first[1]  # process 0 reports
@@ -304,6 +308,7 @@ def test_sharded_two_processes_match_one_process_with_the_same_devices(sharded):
     assert abs(multi["accuracy"] - single["accuracy"]) <= 0.01
 
 
+@pytest.mark.program
 def test_sharded_two_process_checkpoint_resumes_on_both_processes(sharded):
     # Step 12 was damaged in process 1's shards only: both processes went back to step 6, the
     # damaged one was set aside, and the resumed run ends where the uninterrupted one did.
@@ -316,6 +321,7 @@ def test_sharded_two_process_checkpoint_resumes_on_both_processes(sharded):
         np.testing.assert_array_equal(y, x, strict=True)
 
 
+@pytest.mark.program
 def test_sharded_mesh_for_other_devices_is_one_line_on_every_process(tmp_path):
     with _processes(tmp_path / "run", 2, 2, *SHARDED, "--config.mesh=fsdp=8") as procs:
         outs = [proc.communicate(timeout=TIMEOUT) for proc in procs]

@@ -504,6 +504,7 @@ def _train_records(workdir):
     return [r for r in map(json.loads, lines) if r["kind"] == "train"]
 
 
+@pytest.mark.program
 @pytest.mark.parametrize(
     "extra, stop_step, streak, scale",
     [
@@ -543,6 +544,7 @@ def test_train_persistent_overflow_stops_with_one_line_and_exit_status_3(
     assert "skipped steps" not in out.stdout  # no summary table: the run did not finish
 
 
+@pytest.mark.program
 def test_train_persistent_overflow_warn_warns_and_finishes(tmp_path):
     workdir = tmp_path / "run"
     out = _cli(workdir, "--config.num_train_steps=24", "--config.on_persistent_overflow=warn")
@@ -559,6 +561,7 @@ def test_train_persistent_overflow_warn_warns_and_finishes(tmp_path):
     assert "skipped steps" in out.stdout  # the summary table of a finished run
 
 
+@pytest.mark.program
 @pytest.mark.parametrize(
     "arg, needle",
     [
@@ -597,6 +600,7 @@ def test_overflow_log_counts_the_modules_of_skipped_steps_only():
     assert "grads_finite_by_module" not in without_flags(window[0])
 
 
+@pytest.mark.program
 def test_train_names_the_one_module_that_overflows_in_fp16(tmp_path):
     # The seed CNN with its first convolution reparametrised as 1e4 * conv(x; w / 1e4): the same
     # forward pass, 1e4 times larger gradients there. Under mixed_float16 the dynamic scale
@@ -641,6 +645,7 @@ def test_train_names_the_one_module_that_overflows_in_fp16(tmp_path):
     assert summary and summary[0].split()[2] == "Conv_0"
 
 
+@pytest.mark.program
 def test_train_trace_nonfinite_rejects_a_non_bool(tmp_path):
     out = _cli(tmp_path / "run", "--config.trace_nonfinite=maybe")
     assert out.returncode == 2

@@ -12,6 +12,7 @@ import pytest
 from subproc import cli_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.program
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,11 @@ import re
 import subprocess
 import sys
 
+import pytest
 from subproc import xla_flags
 
 README = pathlib.Path(__file__).parents[1] / "README.md"
+pytestmark = pytest.mark.program
 
 
 def _python_blocks():

@@ -137,6 +137,7 @@ def _assert_bit_identical(got, want):
         )
 
 
+@pytest.mark.program
 def test_resume_reference_run_changes_the_loss_scale(reference, target):
     _, final = reference
     assert int(final.step) == NUM_STEPS
@@ -145,6 +146,7 @@ def test_resume_reference_run_changes_the_loss_scale(reference, target):
     assert final.loss_scale.growth_interval == 5
 
 
+@pytest.mark.program
 def test_resume_after_sigkill_twice_is_bit_identical(tmp_path, data_dir, target, reference):
     workdir = tmp_path / "killed"
     # First while checkpoint 20 is being written (into Orbax's tmp directory, never committed;
@@ -163,6 +165,7 @@ def test_resume_after_sigkill_twice_is_bit_identical(tmp_path, data_dir, target,
     _assert_bit_identical(_restore(workdir, target), reference[1])
 
 
+@pytest.mark.program
 def test_resume_after_sigterm_starts_at_the_stop_step_and_is_bit_identical(
     tmp_path, data_dir, target, reference
 ):
@@ -200,6 +203,7 @@ def _files(root: pathlib.Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
+@pytest.mark.program
 @pytest.mark.parametrize(
     "damage, resumed",
     [
@@ -227,6 +231,7 @@ def test_resume_damaged_latest_falls_back_sets_it_aside_and_saves_again(
     _assert_bit_identical(_restore(workdir, target), reference[1])
 
 
+@pytest.mark.program
 def test_resume_every_checkpoint_damaged_stops_with_one_line_and_changes_nothing(
     tmp_path, data_dir, reference
 ):

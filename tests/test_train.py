@@ -78,6 +78,7 @@ def _smoke(recipe, workdir, data_dir, *extra, **kwargs):
     )
 
 
+@pytest.mark.program
 def test_train_default_recipe_smoke_writes_metrics_config_checkpoints_and_summary(
     tmp_path, data_dir
 ):
@@ -96,6 +97,7 @@ def test_train_default_recipe_smoke_writes_metrics_config_checkpoints_and_summar
         assert row in out.stdout
 
 
+@pytest.mark.program
 def test_train_lm_pydoc_recipe_smoke_runs_offline_on_real_text(tmp_path, data_dir):
     # Offline like the default recipe: the text ships with Python, so no mock data is needed.
     workdir = tmp_path / "lm_pydoc"
@@ -108,6 +110,7 @@ def test_train_lm_pydoc_recipe_smoke_runs_offline_on_real_text(tmp_path, data_di
     assert "eval perplexity" in out.stdout
 
 
+@pytest.mark.program
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_train_smoke_of_every_recipe_runs_on_mock_tfds_data(recipe, tmp_path):
     workdir = tmp_path / recipe
@@ -134,6 +137,7 @@ def test_train_fashion_mnist_recipe_is_the_mnist_one_on_its_dataset():
     assert (run.model, run.policy, task) == (mnist_run.model, mnist_run.policy, "classification")
 
 
+@pytest.mark.program
 def test_train_synthetic_recipe_and_policy_flag(tmp_path):
     workdir = tmp_path / "synthetic"
     _cli(
@@ -146,6 +150,7 @@ def test_train_synthetic_recipe_and_policy_flag(tmp_path):
     assert _records(workdir, "train")[-1]["loss_scale"] == 1.0  # bf16: no loss scaling
 
 
+@pytest.mark.program
 def test_train_profile_steps_writes_the_profile_and_trains_as_without(tmp_path, data_dir):
     plain, profiled = tmp_path / "plain", tmp_path / "profiled"
     _smoke("default", plain, data_dir)
@@ -163,6 +168,7 @@ def test_train_profile_steps_writes_the_profile_and_trains_as_without(tmp_path, 
     assert _records(plain, "eval")[-1] == _records(profiled, "eval")[-1]
 
 
+@pytest.mark.program
 def test_train_says_what_auto_picked_and_warns_when_16_bit_is_emulated(tmp_path, data_dir):
     from jamp import get_policy, hardware
     from jamp.precision import auto_reason
@@ -182,6 +188,7 @@ def test_train_says_what_auto_picked_and_warns_when_16_bit_is_emulated(tmp_path,
     assert policy in [line for line in auto.stdout.splitlines() if line.startswith("policy")][0]
 
 
+@pytest.mark.program
 def test_train_resumes_where_it_stopped(tmp_path, data_dir):
     workdir = tmp_path / "resume"
     _smoke("default", workdir, data_dir, "--config.num_train_steps=6")
@@ -191,6 +198,7 @@ def test_train_resumes_where_it_stopped(tmp_path, data_dir):
     assert steps.count(4) == 1  # steps 1-6 were not trained again
 
 
+@pytest.mark.program
 def test_train_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, data_dir):
     workdir = tmp_path / "sigterm"
     cmd = [
@@ -239,6 +247,7 @@ ERRORS = [
 ]
 
 
+@pytest.mark.program
 @pytest.mark.parametrize("args,needle", ERRORS, ids=[e[1] for e in ERRORS])
 def test_train_bad_input_is_one_line_and_nonzero_exit(args, needle, tmp_path, data_dir, forked_cli):
     workdir = tmp_path / "w"
@@ -250,6 +259,7 @@ def test_train_bad_input_is_one_line_and_nonzero_exit(args, needle, tmp_path, da
     assert not workdir.exists() or not any(workdir.iterdir())
 
 
+@pytest.mark.program
 def test_train_bad_matmul_lowering_variable_is_one_line(tmp_path, data_dir):
     env = {**cli_env(1), "JAMP_MATMUL_LOWERING": "fast"}
     out = subprocess.run(
@@ -265,6 +275,7 @@ def test_train_bad_matmul_lowering_variable_is_one_line(tmp_path, data_dir):
     assert not (tmp_path / "w").exists()
 
 
+@pytest.mark.program
 def test_train_unwritable_workdir_is_one_line(tmp_path, data_dir, forked_cli):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
@@ -274,6 +285,7 @@ def test_train_unwritable_workdir_is_one_line(tmp_path, data_dir, forked_cli):
     assert blocker.read_text() == "not a directory"
 
 
+@pytest.mark.program
 def test_train_checkpoint_of_another_model_is_refused_and_kept(tmp_path, data_dir):
     workdir = tmp_path / "other"
     _smoke("default", workdir, data_dir, "--config.num_train_steps=6")

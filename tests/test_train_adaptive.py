@@ -91,12 +91,14 @@ def runs(tmp_path_factory, data_dir):
     return out
 
 
+@pytest.mark.program
 def test_fp16_without_adaptation_ends_in_the_persistent_overflow_stop(tmp_path, data_dir):
     out = _cli(tmp_path / "run", data_dir, num_train_steps=150)
     assert out.returncode == 3, out.stderr[-2000:]
     assert "training stopped at step" in out.stderr and "cannot back off" in out.stderr
 
 
+@pytest.mark.program
 def test_adaptive_promotes_the_fragile_module_alone_within_n_steps(runs):
     workdir, out = runs["adaptive"]
     changes = _records(workdir, "precision_change")
@@ -112,6 +114,7 @@ def test_adaptive_promotes_the_fragile_module_alone_within_n_steps(runs):
     assert train[-1]["loss_scale"] == 2.0**16
 
 
+@pytest.mark.program
 def test_adaptive_fp16_ends_within_half_a_point_of_float32(runs):
     got = float(_summary(runs["adaptive"][1].stdout, "eval accuracy"))
     want = float(_summary(runs["float32"][1].stdout, "eval accuracy"))
@@ -141,6 +144,7 @@ def _assert_bit_identical(got, want):
         )
 
 
+@pytest.mark.program
 def test_promotion_survives_sigkill_and_resume_bit_exactly(tmp_path, data_dir):
     # k = 15: the module is blamed on steps 1-15 and promoted at step 15, after the checkpoint at
     # step 10. A run stopped at 10 and resumed must decide at 15 from the restored window; a run
@@ -191,6 +195,7 @@ def test_promotion_survives_sigkill_and_resume_bit_exactly(tmp_path, data_dir):
     _assert_bit_identical(_final(killed, data_dir, flags), want)
 
 
+@pytest.mark.program
 def test_adaptive_precision_can_be_switched_on_to_resume_a_run(tmp_path, data_dir):
     workdir = tmp_path / "run"
     out = _cli(workdir, data_dir, num_train_steps=10, checkpoint_every_steps=10,
@@ -207,6 +212,7 @@ def test_adaptive_precision_can_be_switched_on_to_resume_a_run(tmp_path, data_di
     assert out.returncode != 0 and "--config.adaptive_precision=true" in lines[-1], out.stderr
 
 
+@pytest.mark.program
 def test_every_replica_and_the_sharded_step_promote_at_the_same_step(runs, tmp_path, data_dir):
     # The same first 12 steps as the one-device run of `runs`, over 8 replicas and sharded.
     changes = _records(runs["adaptive"][0], "precision_change")
@@ -246,6 +252,7 @@ def test_keep_in_float32_places_modules_statically(data_dir):
 ON = "--config.adaptive_precision=true"
 
 
+@pytest.mark.program
 @pytest.mark.parametrize(
     "flags, words",
     [
@@ -303,6 +310,7 @@ def _eqns(jaxpr):
                 yield from _eqns(value)
 
 
+@pytest.mark.program
 def test_the_persistent_overflow_stop_says_when_promotions_have_run_out(tmp_path, data_dir):
     # hidden_gain 1e39 overflows even float32: Dense_0 climbs float16 -> bfloat16 -> float32 and
     # the run still cannot take a step; the stop then blames the model, not the format.

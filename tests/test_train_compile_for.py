@@ -82,50 +82,34 @@ def test_compile_for_a_bad_target_is_one_line(tmp_path):
 
 @pytest.mark.program
 @needs_plugin
-def test_compile_for_reports_a_sharded_recipe_on_8_h200s_without_data(tmp_path):
+def test_compile_for_reports_a_sharded_recipe_on_8_h200s_and_searches_its_batch(tmp_path):
+    """The smoke LM on 8 H200s (data=2, fsdp=4), without reading data; JAX's pool set so small
+    (~0.29 MiB) that its batch of 8 fits and 16 (the next multiple of 8 devices) does not."""
     out = _run(
         [
             "--config=lm_pydoc:smoke",
             "--compile_for=h200x8",
             "--config.parallelism=sharded",
             "--config.mesh=data=2,fsdp=4",
-            "--search_batch=false",
             f"--workdir={tmp_path / 'plan'}",
         ],
         tmp_path,
+        XLA_PYTHON_CLIENT_MEM_FRACTION="2.0165e-6",
     )
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "sharded jit, mesh data=2, fsdp=4, global batch 8" in text
     assert "compiled for h200x8 (8 x NVIDIA H200" in text and "mesh data=2, fsdp=4" in text
     assert "activations: compute (16-bit between matmuls)" in text
-    assert "float32 GEMMs: none" in text and "fits in" in text
+    assert "float32 GEMMs: none" in text
     assert "all-gather         bf16      over fsdp" in text
-    assert "largest global batch" not in text  # --search_batch=false
     report = json.loads((tmp_path / "plan" / "compile_for_h200x8.json").read_text())
-    assert report["mesh"] == {"data": 2, "fsdp": 4} and report["fits"] is True
-    assert report["memory"]["peak"] > 0 and report["fp32_gemms"] == []
+    assert report["mesh"] == {"data": 2, "fsdp": 4} and report["fp32_gemms"] == []
+    assert report["memory"]["peak"] > 0 and report["fits"] is True
+    # The search: batches are multiples of the 8 devices the batch is split over.
+    (found,) = [ln for ln in text.splitlines() if ln.startswith(("largest global", "no global"))]
+    assert found.startswith("largest global batch that fits in 0.29 MiB"), found
+    assert ": 8 (16 does not)" in found
     # Nothing read: the data directory was never even created.
     assert not (tmp_path / "data").exists()
     assert out.stderr.strip() == "", out.stderr
-
-
-@pytest.mark.program
-@needs_plugin
-def test_compile_for_searches_the_largest_batch_in_the_memory_jax_would_take(tmp_path):
-    """Under pmap on one H200, with JAX's pool set so small that the smoke LM's batch of 8 does
-    not fit: the program says so and finds the batch that does."""
-    fraction = 5.2e-6  # ~0.75 MiB of the H200's 140 GiB
-    out = _run(
-        ["--config=lm_pydoc:smoke", "--compile_for=h200"],
-        tmp_path,
-        XLA_PYTHON_CLIENT_MEM_FRACTION=str(fraction),
-    )
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    (verdict,) = [ln for ln in lines if "of HBM: the pool" in ln]
-    (found,) = [ln for ln in lines if ln.startswith(("largest global batch", "no global batch"))]
-    assert "does NOT fit" in verdict
-    assert found.startswith("largest global batch that fits in"), found
-    batch = int(found.split(": ")[1].split(" ")[0])
-    assert 1 <= batch < 8

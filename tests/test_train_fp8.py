@@ -14,6 +14,8 @@ from test_train import _records, _smoke
 
 from jamp.train.checkpoint import Checkpointer
 
+pytestmark = pytest.mark.program
+
 STEPS, EVERY = 12, 6
 FLAGS = [
     "--config.policy=mixed_fp8",

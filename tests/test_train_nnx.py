@@ -12,6 +12,8 @@ from test_train import ROOT, _cli, _records, _smoke
 
 from jamp.train.checkpoint import Checkpointer
 
+pytestmark = pytest.mark.program
+
 STEPS, EVERY = 12, 6
 FLAGS = [
     "--config.policy=mixed_bfloat16",  # chosen by the same flag as for linen models

@@ -27,7 +27,10 @@ OVERRIDES = {
 }
 
 # Reading checkpoints leaves Orbax callbacks for closed event loops (see test_checkpoint.py).
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+pytestmark = [
+    pytest.mark.program,
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
 
 
 def _command(workdir, data_dir, *extra, steps=STEPS):

@@ -200,6 +200,12 @@ def _guess(peaks: dict, usable: int, lo: int, hi: Optional[int]) -> int:
     return int(b0 + (usable - p0) / slope)
 
 
+def _count(n: int) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} B"
+    return f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n:,}"
+
+
 def _gib(n: float) -> str:
     """Bytes in GiB from 1 GiB, else MiB."""
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.2f} MiB"
@@ -216,7 +222,7 @@ def run_plan(config, target_name: str, workdir: Optional[str], search: bool = Tr
         layout = f"pmap over {recipe.target.num_devices} devices"
     params = param_count(abstract_state(recipe)[2])
     print(
-        f"recipe: model {run.model} ({params / 1e9:.2f} B params), policy "
+        f"recipe: model {run.model} ({_count(params)} params), policy "
         f"{describe(run.policy)}, {layout}, global batch {run.batch_size} (compiled "
         "abstractly: nothing allocated, no data read)",
         flush=True,
@@ -233,7 +239,9 @@ def run_plan(config, target_name: str, workdir: Optional[str], search: bool = Tr
         return 0
     usable = report.usable_bytes()
     start = report.memory.peak
-    if start > usable // 2:  # XLA may have rematerialized it (it does near the memory's size)
+    # XLA rematerializes only programs near the GPU's memory (its limits seen here: 65-76 % of
+    # it); a smaller peak is the program's own.
+    if start > report.memory.hbm // 2:
         start = compile_at(recipe, run.batch_size, NO_REMAT).memory.peak
     found = search_batch(
         lambda b: compile_at(recipe, b, NO_REMAT).memory.peak,

@@ -1,0 +1,278 @@
+"""What the H200's compiler makes of jamp's steps, on a machine without a GPU (jamp.compile_for).
+
+Two questions, answered from the real GPU programs (XLA's buffer plan per device, not a measured
+peak; no speed):
+
+1. GPT-2-small shape (12 x 768, 12 heads, seq 1024, vocab 50304, AdamW) on one H200 at batch 8,
+   16 and 32: jamp's float32 step, mixed_bfloat16 with float32 and with 16-bit activations,
+   mixed_float16 (dynamic loss scale), mixed_fp8, and the same network written by hand in bf16
+   Flax with Flax's attention and with `jax.nn.dot_product_attention(implementation="cudnn")`:
+   temporaries, peak, what the temporaries hold by dtype, and the largest batch that fits.
+2. The Llama-style decoders of configs/llama.py (1.5B, 7B) on 8 H200s under pmap, fsdp=8 and
+   data=2,fsdp=4 with mixed_bfloat16 and mixed_fp8: memory per device, bytes on the wire by
+   dtype, the largest global batch that fits.
+
+    python experiments/gpu_compile.py                   # all (hours on a 2-core CPU)
+    python experiments/gpu_compile.py --part gpt2       # question 1 only
+    python experiments/gpu_compile.py --quick           # tiny shapes, for the tests
+
+Every step is compiled without XLA's rematerialization pass (jamp.train.plan.NO_REMAT): near
+the memory's size XLA recomputes activations to make a step fit, and the peak would stop
+saying what the batch needs. Needs JAX's CUDA plugin (pip install 'jamp[gpu-compile]'); writes
+experiments/results/gpu_compile_h200.md and .png (quick: under --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from peers_flax import HandLM  # noqa: E402
+
+import jamp  # noqa: E402
+from jamp.target import compile_for, get_target, memory_fraction  # noqa: E402
+from jamp.train import plan  # noqa: E402
+from jamp.train.cli import RECIPES_DIR  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+GPT2 = dict(num_layers=12, d_model=768, num_heads=12, mlp_dim=3072, max_len=1024)
+GPT2_QUICK = dict(num_layers=2, d_model=64, num_heads=4, mlp_dim=128, max_len=64)
+# (label, policy, activations); "hand" rows are the hand-written Flax network
+JAMP_ROWS = [
+    ("jamp float32", "float32", "auto"),
+    ("jamp mixed_bfloat16, activations float32", "mixed_bfloat16", "float32"),
+    ("jamp mixed_bfloat16 (auto: 16-bit activations)", "mixed_bfloat16", "auto"),
+    ("jamp mixed_float16, dynamic loss scale", "mixed_float16", "auto"),
+    ("jamp mixed_fp8 (delayed)", "mixed_fp8", "auto"),
+]
+HAND_ROWS = [
+    ("hand-written bf16 Flax, Flax attention", "flax"),
+    ("hand-written bf16 Flax, cuDNN attention", "cudnn"),
+]
+
+
+def _recipe(name: str, overrides: dict, target: str):
+    config = _load(name)
+    for key, value in overrides.items():
+        node, *path = key.split(".")
+        if path:
+            config[node][path[0]] = value
+        else:
+            config[key] = value
+    return plan.parse(config, target)
+
+
+def _load(name):
+    import runpy
+
+    spec, _, variant = name.partition(":")
+    return runpy.run_path(str(RECIPES_DIR / f"{spec}.py"))["get_config"](variant)
+
+
+def gpt2_recipe(policy, activations, quick, target="h200"):
+    shape = GPT2_QUICK if quick else GPT2
+    overrides = {f"model_config.{k}": v for k, v in shape.items()}
+    overrides.update(
+        policy=policy,
+        activations=activations,
+        dataset="synthetic_tokens",
+        vocab_size=512 if quick else 50304,
+        seq_len=shape["max_len"],
+        optimizer="adamw",
+        parallelism="pmap",
+        batch_size=8,
+        accumulation_steps=1,
+    )
+    return _recipe("lm_pydoc", overrides, target)
+
+
+def _cudnn_attention(query, key, value, bias=None, mask=None, **_):
+    """Flax's attention_fn signature, run as cuDNN's fused kernel (causal, as the mask is)."""
+    del bias, mask
+    return jax.nn.dot_product_attention(query, key, value, is_causal=True, implementation="cudnn")
+
+
+def hand_report(attention: str, batch: int, quick: bool, options=None, target="h200"):
+    """The hand-written bf16 network's train step (the same loss, AdamW and step as jamp's)."""
+    shape = GPT2_QUICK if quick else GPT2
+    vocab = 512 if quick else 50304
+    attention_fn = _cudnn_attention if attention == "cudnn" else None
+    model = HandLM(vocab_size=vocab, dtype=jnp.bfloat16, attention_fn=attention_fn, **shape)
+    length = shape["max_len"]
+    params = jax.eval_shape(
+        lambda: model.init(jax.random.key(0), jnp.zeros((1, length), jnp.int32))["params"]
+    )
+    tx = optax.adamw(1e-3)
+
+    def loss_fn(p, model_state, batch_, rng):
+        tokens = batch_["tokens"]
+        logits = model.apply({"params": p}, tokens[:, :-1])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        return loss, (model_state, {})
+
+    state = jax.eval_shape(lambda: jamp.TrainState.create(params, tx))
+    step = jax.jit(jamp.make_train_step(loss_fn, tx), donate_argnums=(0,))
+    tokens = {"tokens": jax.ShapeDtypeStruct((batch, length + 1), jnp.int32)}
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    return compile_for(step, state, tokens, key, target=target, compiler_options=options)
+
+
+def _row(label, report, batch):
+    m = report.memory
+    fp32 = sum(n for *_, n in report.fp32_gemms())
+    return {
+        "label": label,
+        "batch": batch,
+        "temp": m.temporaries,
+        "peak": m.peak,
+        "by_dtype": m.temporaries_by_dtype,
+        "fused_attention": sum(a.fused for a in report.attention),
+        "unfused_attention": sum(not a.fused for a in report.attention),
+        "gemms": {f"{g.operands} {g.kind}": g.count for g in report.gemm_groups()},
+        "fp32_gemms": fp32,
+        "activations": list(report.activations),
+        "compile_s": round(report.compile_seconds, 1),
+        "usable": report.usable_bytes(),
+    }
+
+
+def gpt2_part(quick: bool, log) -> list[dict]:
+    batches = (8, 16) if quick else (8, 16, 32)
+    rows = []
+    for label, policy, activations in JAMP_ROWS:
+        recipe = gpt2_recipe(policy, activations, quick)
+        reports = {b: plan.compile_at(recipe, b, plan.NO_REMAT) for b in batches}
+        rows += [_row(label, r, b) for b, r in reports.items()]
+        rows[-1]["largest"] = _largest(
+            lambda b, r=recipe: plan.compile_at(r, b, plan.NO_REMAT).memory.peak, reports, quick
+        )
+        log(rows[-len(batches) :])
+    for label, attention in HAND_ROWS:
+        reports = {b: hand_report(attention, b, quick, plan.NO_REMAT) for b in batches}
+        rows += [_row(label, r, b) for b, r in reports.items()]
+        rows[-1]["largest"] = _largest(
+            lambda b, a=attention: hand_report(a, b, quick, plan.NO_REMAT).memory.peak,
+            reports,
+            quick,
+        )
+        log(rows[-len(batches) :])
+    return rows
+
+
+def _largest(peak_at, reports, quick):
+    known = {b: r.memory.peak for b, r in reports.items()}
+    usable = next(iter(reports.values())).usable_bytes()
+    found = plan.search_batch(
+        peak_at, min(known), 1, usable, max_compiles=0 if quick else 3, known=known
+    )
+    return {
+        "batch": found.batch,
+        "above": found.above,
+        "complete": found.complete,
+        "peaks": {str(b): p for b, p in sorted(found.peaks.items())},
+    }
+
+
+def decoder_part(quick: bool, log) -> list[dict]:
+    rows = []
+    sizes = ("smoke",) if quick else ("", "7b")
+    layouts = [
+        ("pmap", "pmap", ""),
+        ("fsdp=8", "sharded", "fsdp=8"),
+        ("data=2,fsdp=4", "sharded", "data=2,fsdp=4"),
+    ]
+    policies = ("mixed_bfloat16",) if quick else ("mixed_bfloat16", "mixed_fp8")
+    for size in sizes:
+        for policy in policies:
+            for layout, parallelism, mesh in layouts:
+                overrides = dict(policy=policy, parallelism=parallelism)
+                if mesh:
+                    overrides["mesh"] = mesh
+                recipe = _recipe(f"llama:{size}", overrides, "h200x8")
+                batch = recipe.run.batch_size
+                report = plan.compile_at(recipe, batch, plan.NO_REMAT)
+                row = _row(f"llama {size or '1b5'} {policy} {layout}", report, batch)
+                row["arguments"] = report.memory.arguments
+                row["params"] = plan.param_count(plan.abstract_state(recipe)[2])
+                row["wire"] = [
+                    {
+                        "kind": c.kind,
+                        "dtype": c.dtype,
+                        "axes": list(c.axes),
+                        "count": c.count,
+                        "bytes": c.nbytes,
+                    }
+                    for c in report.collectives
+                ]
+                # 7B's state alone (16 B/param) exceeds a GPU's pool under pmap: nothing to search
+                budget = 0 if quick or (layout == "pmap" and size == "7b") else 2
+                found = plan.search_batch(
+                    lambda b, r=recipe: plan.compile_at(r, b, plan.NO_REMAT).memory.peak,
+                    batch,
+                    recipe.batch_unit,
+                    report.usable_bytes(),
+                    max_compiles=budget,
+                    known={batch: report.memory.peak},
+                )
+                row["largest"] = {
+                    "batch": found.batch,
+                    "above": found.above,
+                    "complete": found.complete,
+                    "peaks": {str(b): p for b, p in sorted(found.peaks.items())},
+                }
+                rows.append(row)
+                log([row])
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("gpt2", "decoders", "all"), default="all")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=str(RESULTS / "gpu_compile_h200"))
+    args = parser.parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    raw = out.with_suffix(".json")
+    results = json.loads(raw.read_text()) if raw.exists() and not args.quick else {}
+
+    def log(rows):
+        for r in rows:
+            print(
+                f"{r['label']:<52} batch {r['batch']:>3}: temp {r['temp'] / 2**30:7.2f} GiB, "
+                f"peak {r['peak'] / 2**30:7.2f} GiB, compile {r['compile_s']} s",
+                flush=True,
+            )
+
+    started = time.time()
+    if args.part in ("gpt2", "all"):
+        results["gpt2"] = gpt2_part(args.quick, log)
+        raw.write_text(json.dumps(results, indent=1))
+    if args.part in ("decoders", "all"):
+        results["decoders"] = decoder_part(args.quick, log)
+        raw.write_text(json.dumps(results, indent=1))
+    from gpu_compile_report import write  # the table and plot, apart: they only read the JSON
+
+    write(
+        results,
+        out,
+        quick=args.quick,
+        seconds=time.time() - started,
+        fraction=memory_fraction(),
+        target=get_target("h200"),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""The table and plot of experiments/gpu_compile.py, from its JSON (rerun alone to redraw)."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import pathlib
+import sys
+
+from _xla import cpu_description
+
+GIB = float(1 << 30)
+_CLASSES = ("f32", "bf16", "f16", "fp8", "int", "workspace", "other", "free")
+
+
+def _versions() -> str:
+    names = ("jax", "jaxlib", "jax-cuda12-plugin", "flax", "optax", "nvidia-cudnn-cu12")
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return ", ".join(found) + f", Python {sys.version.split()[0]}"
+
+
+def _g(n) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def _split(by: dict) -> str:
+    return ", ".join(f"{k} {_g(v)}" for k, v in by.items() if v >= 0.005 * GIB) or "-"
+
+
+def _largest(row) -> str:
+    found = row.get("largest")
+    if not found or found.get("batch") is None:
+        return "none" if found else ""
+    text = str(found["batch"])
+    if found.get("above") is not None:
+        text += f" ({found['above']}: no)"
+    if not found.get("complete"):
+        text += ", searched no further"
+    return text
+
+
+def _gpt2_table(rows) -> list[str]:
+    lines = [
+        "| step | batch | temporaries GiB | peak GiB | temporaries at their peak, by dtype (GiB) "
+        "| attention fused / unfused | f32 GEMMs | compile s | largest batch that fits |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['label']} | {r['batch']} | {_g(r['temp'])} | {_g(r['peak'])} | "
+            f"{_split(r['by_dtype'])} | {r['fused_attention']} / {r['unfused_attention']} | "
+            f"{r['fp32_gemms']} | {r['compile_s']} | {_largest(r)} |"
+        )
+    return lines
+
+
+def _wire(row) -> str:
+    by = {}
+    for c in row.get("wire", []):
+        key = f"{c['kind']} {c['dtype']}"
+        by[key] = by.get(key, 0) + c["bytes"]
+    return ", ".join(f"{k} {_g(v)}" for k, v in sorted(by.items(), key=lambda kv: -kv[1])) or "-"
+
+
+def _decoder_table(rows) -> list[str]:
+    lines = [
+        "| model, policy, layout | global batch | arguments (state) GiB | temporaries GiB | "
+        "peak GiB | fits | collectives per step, GiB per device (result bytes) | "
+        "compile s | largest global batch that fits | state room (B params) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        fits = "yes" if r["peak"] <= r["usable"] else "**no**"
+        lines.append(
+            f"| {r['label']} | {r['batch']} | {_g(r['arguments'])} | {_g(r['temp'])} | "
+            f"{_g(r['peak'])} | {fits} | {_wire(r)} | {r['compile_s']} | {_largest(r)} | "
+            f"{_room(r)} |"
+        )
+    return lines
+
+
+def _room(row) -> str:
+    """Parameters whose state (at this row's bytes per parameter per device) would fit in the
+    pool beside this row's temporaries: an upper bound on the largest model at this batch,
+    since a larger model's activations grow too."""
+    if not row.get("params") or not row.get("arguments"):
+        return ""
+    per_param = row["arguments"] / row["params"]
+    room = (row["usable"] - (row["peak"] - row["arguments"])) / per_param
+    return f"{max(room, 0) / 1e9:.1f}"
+
+
+def _plot(results, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gpt2 = [r for r in results.get("gpt2", []) if r["batch"] == 8]
+    decoders = results.get("decoders", [])
+    panels = [p for p in (gpt2, decoders) if p]
+    if not panels:
+        return
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 4.2 * len(panels)), squeeze=False)
+    colors = dict(
+        zip(
+            _CLASSES,
+            (
+                "#d62728",
+                "#1f77b4",
+                "#17becf",
+                "#9467bd",
+                "#8c564b",
+                "#7f7f7f",
+                "#bcbd22",
+                "#dddddd",
+            ),
+        )
+    )
+    for ax, rows in zip(axes[:, 0], panels):
+        labels = [r["label"].replace("hand-written ", "hand ").replace("jamp ", "") for r in rows]
+        bottom = [0.0] * len(rows)
+        if rows is decoders:
+            values = [r["arguments"] / GIB for r in rows]
+            ax.barh(labels, values, color="#2ca02c", label="arguments (state)")
+            bottom = values
+        for cls in _CLASSES:
+            values = [r["by_dtype"].get(cls, 0) / GIB for r in rows]
+            if any(values):
+                ax.barh(labels, values, left=bottom, color=colors[cls], label=f"temp {cls}")
+                bottom = [b + v for b, v in zip(bottom, values)]
+        usable = rows[0]["usable"] / GIB
+        if rows is decoders:
+            ax.axvline(usable, color="k", ls="--", lw=1, label="JAX's pool (75 % of HBM)")
+            ax.set_title("Llama-style decoders on 8 x H200: per device, XLA's plan")
+        else:
+            ax.set_title("GPT-2-small shape, batch 8, one H200: step temporaries by dtype")
+        ax.set_xlabel("GiB")
+        ax.invert_yaxis()
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(results, out: pathlib.Path, *, quick: bool, seconds: float, fraction: float, target):
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    lines = [
+        "# jamp's steps compiled for the H200 on a CPU (experiments/gpu_compile.py)",
+        "",
+        f"{now}, compiled on {cpu_description()} with no GPU; {_versions()}. "
+        f"Command: `python experiments/gpu_compile.py{' --quick' if quick else ''}` "
+        f"({seconds / 60:.0f} min).",
+        "",
+        "Every figure is XLA's buffer assignment for the target (per device), not a measured "
+        "peak: it says what is live and in which dtype, not how fast. Every step is compiled "
+        "without XLA's rematerialization pass (which, near the memory's size, recomputes "
+        "activations to make a step fit, trading time). Peak = arguments + "
+        "unaliased outputs + temporaries. 'Fits' and 'largest batch' use the memory JAX's "
+        f"allocator takes by default, {fraction:.0%} of the {target.gpu.hbm_bytes / GIB:.1f} GiB "
+        "the driver reports for an H200 (XLA_PYTHON_CLIENT_MEM_FRACTION); the largest batch is "
+        "searched by compiling (plan.search_batch), to within 1/32. fp32 matmuls on the GPU are "
+        "TF32 at JAX's default precision.",
+        "",
+    ]
+    if results.get("gpt2"):
+        lines += ["## GPT-2-small shape on one H200 (12 x 768, seq 1024, vocab 50304, AdamW)", ""]
+        lines += _gpt2_table(results["gpt2"]) + [""]
+    if results.get("decoders"):
+        lines += [
+            "## Llama-style decoders (configs/llama.py) on 8 x H200",
+            "",
+            "State room: how many parameters' state (at the row's bytes per parameter per "
+            "device) would fit in the pool beside the row's temporaries — an upper bound on the "
+            "largest model at that batch, since a larger model's activations grow too.",
+            "",
+        ]
+        lines += _decoder_table(results["decoders"]) + [""]
+    out.with_suffix(".md").write_text("\n".join(lines))
+    _plot(results, out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    stem = pathlib.Path(
+        sys.argv[1] if len(sys.argv) > 1 else "experiments/results/gpu_compile_h200"
+    )
+    from jamp.target import get_target, memory_fraction
+
+    write(
+        json.loads(stem.with_suffix(".json").read_text()),
+        stem,
+        quick=False,
+        seconds=0,
+        fraction=memory_fraction(),
+        target=get_target("h200"),
+    )

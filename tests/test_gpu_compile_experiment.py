@@ -1,0 +1,85 @@
+"""experiments/gpu_compile.py: its hand-written cuDNN-attention peer is reported fused, and its
+table and plot are written from its JSON (the compiles themselves are the experiment's)."""
+
+import pathlib
+import sys
+
+import pytest
+
+from jamp import target as target_lib
+
+EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
+sys.path.insert(0, str(EXPERIMENTS))
+import gpu_compile_report  # noqa: E402
+
+GIB = 1 << 30
+
+
+def _row(label, batch, temp, **extra):
+    row = {
+        "label": label,
+        "batch": batch,
+        "temp": temp,
+        "peak": temp + GIB,
+        "by_dtype": {"f32": temp // 2, "bf16": temp - temp // 2},
+        "fused_attention": 0,
+        "unfused_attention": 12,
+        "gemms": {},
+        "fp32_gemms": 0,
+        "activations": ["compute"],
+        "compile_s": 30.0,
+        "usable": 105 * GIB,
+    }
+    row.update(extra)
+    return row
+
+
+def test_gpu_compile_report_writes_both_tables_and_the_plot(tmp_path):
+    results = {
+        "gpt2": [
+            _row(
+                "jamp mixed_bfloat16",
+                8,
+                13 * GIB,
+                largest={"batch": 72, "above": 74, "complete": True, "peaks": {}},
+            )
+        ],
+        "decoders": [
+            _row(
+                "llama 7b mixed_bfloat16 fsdp=8",
+                16,
+                60 * GIB,
+                arguments=10 * GIB,
+                wire=[
+                    {
+                        "kind": "all-gather",
+                        "dtype": "bf16",
+                        "axes": ["fsdp"],
+                        "count": 3,
+                        "bytes": 2 * GIB,
+                    }
+                ],
+                largest={"batch": 24, "above": 32, "complete": False, "peaks": {}},
+            )
+        ],
+    }
+    stem = tmp_path / "gpu_compile"
+    gpu_compile_report.write(
+        results, stem, quick=True, seconds=60, fraction=0.75, target=target_lib.get_target("h200")
+    )
+    text = stem.with_suffix(".md").read_text()
+    assert "| jamp mixed_bfloat16 | 8 | 13.00 | 14.00 | f32 6.50, bf16 6.50 | 0 / 12 | 0 |" in text
+    assert "72 (74: no)" in text
+    assert "| llama 7b mixed_bfloat16 fsdp=8 | 16 | 10.00 | 60.00 | 61.00 | yes | " in text
+    assert "all-gather bf16 2.00" in text and "24 (32: no), searched no further" in text
+    assert "not a measured peak" in text
+    assert stem.with_suffix(".png").stat().st_size > 10_000
+
+
+@pytest.mark.skipif(not target_lib.plugin_available(), reason="JAX's CUDA plugin is not installed")
+def test_gpu_compile_hand_written_cudnn_peer_runs_fused_attention():
+    import gpu_compile
+
+    report = gpu_compile.hand_report("cudnn", 2, quick=True)
+    assert [(a.fused, a.forward, a.backward) for a in report.attention] == [(True, 1, 1)] * 2
+    assert report.fp32_gemms() == []
