@@ -55,28 +55,26 @@ class Gemm:
         return "f32" in self.operands or "f64" in self.operands
 
 
+def _flops(program: Program, inst: Instruction, contracting, result) -> int:
+    """2 x (result elements) x (the lhs's contracting extent) of a GEMM `inst`."""
+    arrays = program.operand_arrays(inst)
+    if not arrays or not result:
+        return 0
+    lhs = arrays[0][1]
+    k = int(np.prod([lhs[d] for d in contracting if d < len(lhs)], dtype=np.int64))
+    return 2 * int(np.prod(result, dtype=np.int64)) * k
+
+
 def _dot_flops(program: Program, dot: Instruction) -> tuple[int, bool]:
     dims = dict(_DIMS.findall(dot.attributes))
     contracting = [int(d) for d in dims.get("lhs_contracting_dims", "").split(",") if d]
-    batched = bool(dims.get("lhs_batch_dims"))
-    arrays = program.operand_arrays(dot)
-    if not arrays or not dot.arrays:
-        return 0, batched
-    lhs = arrays[0][1]
-    k = int(np.prod([lhs[d] for d in contracting if d < len(lhs)], dtype=np.int64))
-    return 2 * int(np.prod(dot.shape, dtype=np.int64)) * k, batched
+    return _flops(program, dot, contracting, dot.shape), bool(dims.get("lhs_batch_dims"))
 
 
 def _custom_gemm_flops(program: Program, inst: Instruction) -> tuple[int, bool]:
     dims = inst.backend_config().get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
     contracting = [int(d) for d in dims.get("lhs_contracting_dimensions", [])]
-    batched = bool(dims.get("lhs_batch_dimensions"))
-    arrays = program.operand_arrays(inst)
-    if not arrays or not inst.arrays:
-        return 0, batched
-    lhs = arrays[0][1]
-    k = int(np.prod([lhs[d] for d in contracting if d < len(lhs)], dtype=np.int64))
-    return 2 * int(np.prod(inst.shape, dtype=np.int64)) * k, batched
+    return _flops(program, inst, contracting, inst.shape), bool(dims.get("lhs_batch_dimensions"))
 
 
 def _conv_flops(program: Program, inst: Instruction) -> int:

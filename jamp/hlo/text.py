@@ -136,10 +136,7 @@ class Instruction:
     @property
     def called(self) -> tuple[str, ...]:
         """The computations it calls (a fusion's body, a reduction's combiner, loop bodies)."""
-        out = []
-        for m in _CALLS.finditer(self.attributes):
-            names = m.group(1) if m.group(1) is not None else m.group(2)
-            out.extend(n.strip().lstrip("%") for n in names.split(",") if n.strip())
+        out = list(self.calls)
         out.extend(m.group(1) for m in _TO_APPLY.finditer(self.attributes))
         out.extend(m.group(1) for m in _BODY.finditer(self.attributes))
         for m in _BRANCHES.finditer(self.attributes):
@@ -151,7 +148,8 @@ class Instruction:
         m = re.search(rf"\b{re.escape(key)}=", self.attributes)
         if not m:
             return None
-        return _until_comma(self.attributes, m.end())
+        parts = split_top(self.attributes[m.end() :])
+        return parts[0] if parts else ""
 
     def backend_config(self) -> dict:
         """The instruction's backend config, parsed from JSON ({} when absent or unreadable)."""
@@ -189,25 +187,6 @@ def _matching(text: str, start: int) -> int:
             i = len(text) if end < 0 else end
         i += 1
     return len(text)
-
-
-def _until_comma(text: str, start: int) -> str:
-    depth, i = 0, start
-    while i < len(text):
-        ch = text[i]
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            if depth == 0:
-                break
-            depth -= 1
-        elif ch == '"':
-            end = text.find('"', i + 1)
-            i = len(text) if end < 0 else end
-        elif ch == "," and depth == 0:
-            break
-        i += 1
-    return text[start:i].strip()
 
 
 def split_top(args: str) -> list[str]:
