@@ -35,8 +35,12 @@ def _split(by: dict) -> str:
 
 def _largest(row) -> str:
     found = row.get("largest")
-    if not found or found.get("batch") is None:
-        return "none" if found else ""
+    if not found:
+        return ""
+    if found.get("batch") is None:
+        if not found.get("complete"):
+            return f"not searched ({found.get('above')}: no)"
+        return f"none ({found.get('above')}, the smallest, does not)"
     text = str(found["batch"])
     if found.get("above") is not None:
         text += f" ({found['above']}: no)"

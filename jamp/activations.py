@@ -134,17 +134,22 @@ POLYMORPHIC_PRIMITIVES = frozenset(
 def resolve(activations: str) -> str:
     """`"auto"` -> `"float32"` when the program is traced for a CPU and `"compute"` for any other
     device (`jamp.hardware.target_platform`: a GPU target compiled on a CPU host gets "compute");
-    checks the value. Under `jamp.hardware.compiling_for` the resolved form is recorded."""
+    checks the value."""
     if activations not in ACTIVATIONS:
         raise ValueError(
             f"activations={activations!r} is not one of {', '.join(map(repr, ACTIVATIONS))}."
         )
     if activations == "auto":
         activations = "float32" if hardware.target_platform() == "cpu" else "compute"
-    record = hardware.tracing()
-    if record is not None:
-        record.activations.add(activations)
     return activations
+
+
+def note(form: str, compute_dtype) -> None:
+    """Records, under `jamp.hardware.compiling_for`, the activation form a program traced with a
+    16-bit (or fp8) compute dtype runs in (a float32 policy has none to record)."""
+    record = hardware.tracing()
+    if record is not None and compute_dtype is not None and np.dtype(compute_dtype).itemsize < 4:
+        record.activations.add(form)
 
 
 def is_lowerable(dtype) -> bool:

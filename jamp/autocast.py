@@ -600,7 +600,9 @@ def eval_jaxpr(
       The list of output values, in the dtypes the program was traced with.
     """
     head = None if head_in_fp8 else _last_dot(jaxpr)
-    ctx = _Ctx(compute_for, act.resolve(activations) == "compute", head)
+    form = act.resolve(activations)
+    act.note(form, compute_dtype)
+    ctx = _Ctx(compute_for, form == "compute", head)
     outs, _ = _eval(jaxpr, consts, args, compute_dtype, ctx, weak, placed)
     # A literal output (e.g. a constant returned by an inlined jit) comes back as an array.
     return [
@@ -690,7 +692,9 @@ def rewrite(
         weak = [w for w, t in zip(weak_leaves, traced) if t]
         placed = [p for p, t in zip(placed_leaves, traced) if t]
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
-        ctx = _Ctx(compute_for, act.resolve(activations) == "compute")
+        form = act.resolve(activations)
+        act.note(form, compute_dtype)
+        ctx = _Ctx(compute_for, form == "compute")
         if not _changes(closed.jaxpr, compute_dtype, ctx):
             # Nothing to rewrite (e.g. the float32 policy on a float32 model): run it as written,
             # which is bit-identical also where re-evaluating the program eagerly would not be.

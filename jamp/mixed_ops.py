@@ -242,9 +242,10 @@ def _conv_result(compute_dtype, wanted) -> np.dtype:
     widened (seen in the H200 program: experiments/results/gpu_compile_h200.md), so there the
     result is the compute dtype, widened afterwards: PyTorch autocast's form too. A float16
     weight gradient may then overflow where a float32 one would not; the dynamic loss scale
-    backs off, as under autocast."""
+    backs off, as under autocast. (NVIDIA GPUs: AMD's are not known to need it.)"""
     if hardware.target_platform() == "gpu" and np.dtype(compute_dtype).itemsize < 4:
-        return np.dtype(compute_dtype)
+        if "AMD" not in str(getattr(hardware.target_device(), "device_kind", "")):
+            return np.dtype(compute_dtype)
     return np.dtype(wanted)
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-import os
 import re
 import time
 from typing import Any, Optional, Union
@@ -40,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from jamp import hardware
 from jamp.hlo import dump
+from jamp.inspect.compiled import memory_fraction  # re-exported: what "fits" is measured against
 
 
 class TargetUnavailable(RuntimeError):
@@ -188,10 +188,13 @@ def get_target(name: Union[str, Target]) -> Target:
 
 def plugin_available() -> bool:
     """Whether JAX's CUDA plugin is installed (what compiling for a GPU target needs)."""
-    return any(
-        importlib.util.find_spec(f"jax_plugins.{name}") is not None
-        for name in ("xla_cuda12", "xla_cuda13")
-    )
+    for name in ("xla_cuda12", "xla_cuda13"):
+        try:
+            if importlib.util.find_spec(f"jax_plugins.{name}") is not None:
+                return True
+        except ModuleNotFoundError:  # no jax_plugins package at all: no plugin of any kind
+            return False
+    return False
 
 
 @functools.lru_cache(maxsize=None)
@@ -223,7 +226,8 @@ def _abstract(x, sharding):
     if isinstance(x, jax.ShapeDtypeStruct):
         given = x.sharding
     else:
-        x = jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", np.asarray(x).dtype))
+        dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype  # no copy of arrays
+        x = jax.ShapeDtypeStruct(np.shape(x), dtype)
         given = None
     if given is not None and not isinstance(given, NamedSharding | SingleDeviceSharding):
         given = None
@@ -270,9 +274,34 @@ def compile_for(
       TargetUnavailable: no CUDA plugin here.
       ValueError: a bad target name, or a step that did not compile for the target's devices.
     """
-    from jamp.inspect import compiled  # here: the report reads programs, the library's top
+    from jamp.inspect import compiled
 
     target = get_target(target)
+    started = time.perf_counter()
+    lowered, tracing = _lower(fn, target, mesh, args, kwargs)
+    options = {"xla_dump_hlo_as_text": True, **(compiler_options or {})}
+    executable, files = dump.compile_dumped(lowered, options, keep=compiled.DUMPS)
+    seconds = time.perf_counter() - started
+    used = _program_devices(executable)
+    if used and not used <= set(target.devices):
+        kinds = sorted({f"{d.platform} {d.device_kind}".strip() for d in used})
+        raise ValueError(
+            f"the step compiled for {', '.join(kinds)} devices, not for {target.name}'s: give its "
+            "arguments shardings on the target (target.mesh(...)) or jit it with in_shardings there"
+        )
+    return compiled.build_report(
+        target=target,
+        devices=len(used) or target.num_devices,
+        executable=executable,
+        files=files,
+        mesh=mesh or _mesh_of(executable),
+        activations=sorted(tracing.activations),
+        compile_seconds=seconds,
+    )
+
+
+def _lower(fn, target: Target, mesh, args, kwargs):
+    """`fn` lowered for `target` with abstract arguments, and the `compiling_for` record."""
     devices = target.devices
     default = None
     if mesh is not None:
@@ -281,37 +310,18 @@ def compile_for(
         default = SingleDeviceSharding(devices[0])
     abstract_args, abstract_kwargs = jax.tree.map(lambda x: _abstract(x, default), (args, kwargs))
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    started = time.perf_counter()
     # jax.default_device is part of JAX's tracing cache key: a step traced before for the CPU
     # (its jaxpr cached) is traced again for the target, where jamp's forms differ.
     with jax.default_device(devices[0]), hardware.compiling_for(devices[0]) as tracing:
-        lowered = jitted.lower(*abstract_args, **abstract_kwargs)
-    options = {"xla_dump_hlo_as_text": True, **(compiler_options or {})}
-    executable, files = dump.compile_dumped(lowered, options)
-    seconds = time.perf_counter() - started
-    program_devices = _program_devices(executable)
-    if program_devices and any(d.platform == "cpu" for d in program_devices):
-        raise ValueError(
-            f"the step compiled for the host's CPU, not for {target.name}: give its arguments "
-            "shardings on the target (target.mesh(...)) or jit it with in_shardings there"
-        )
-    return compiled.build_report(
-        target=target,
-        executable=executable,
-        files=files,
-        lowered=lowered,
-        mesh=mesh or _mesh_of(executable),
-        activations=sorted(tracing.activations),
-        compile_seconds=seconds,
-    )
+        return jitted.lower(*abstract_args, **abstract_kwargs), tracing
 
 
-def _program_devices(executable) -> list:
+def _program_devices(executable) -> set:
     try:
         shardings = jax.tree.leaves(executable.input_shardings)
     except Exception:  # an executable without inputs
-        return []
-    return [d for s in shardings for d in s.device_set]
+        return set()
+    return {d for s in shardings for d in s.device_set}
 
 
 def _mesh_of(executable) -> Optional[Mesh]:
@@ -323,18 +333,6 @@ def _mesh_of(executable) -> Optional[Mesh]:
         if isinstance(s, NamedSharding) and isinstance(s.mesh, Mesh):
             return s.mesh
     return None
-
-
-def memory_fraction() -> float:
-    """The share of a GPU's memory JAX's allocator takes: $XLA_PYTHON_CLIENT_MEM_FRACTION, else
-    JAX's default 0.75 (the rest is the CUDA context, cuBLAS / cuDNN / NCCL buffers and what
-    other processes hold)."""
-    value = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "")
-    try:
-        fraction = float(value) if value else 0.75
-    except ValueError:
-        fraction = 0.75
-    return min(max(fraction, 0.0), 1.0)
 
 
 __all__ = [

@@ -48,6 +48,7 @@ RANK = {
     "activations": 0,
     "hlo": 0,
     "hardware": -1,  # below precision and mixed_ops, which ask it what the device runs
+    "traced_for": -2,  # below hardware, which re-exports it
     "loss_scale": 1,
     "autocast": 1,
     "overrides": 0.8,  # above precision, whose policies override keys map to

@@ -394,3 +394,58 @@ def test_wrapped_transformer_gets_the_same_loss_and_gradients_under_both_lowerin
 
 def _norm(tree):
     return float(jnp.sqrt(sum(jnp.sum(x.astype(F32) ** 2) for x in jax.tree.leaves(tree))))
+
+
+def test_compiling_for_a_gpu_gives_the_gpu_forms_on_this_cpu():
+    """Traced for a GPU (a fake device; `jamp.compile_for` passes a topology's), every choice jamp
+    makes while tracing is the GPU's, whatever this host is; nested records share what they
+    note; outside, the host's forms come back."""
+    from jamp import activations
+
+    with hardware.pinned_lowering("auto"):
+        assert hardware.target_platform() == "cpu"
+        with hardware.compiling_for(H200) as outer:
+            assert hardware.target_device() is H200 and hardware.target_platform() == "gpu"
+            assert hardware.matmul_lowering(jnp.bfloat16) == "native"
+            assert activations.resolve("auto") == "compute"
+            with hardware.compiling_for(MI300) as inner:
+                assert hardware.target_platform() == "gpu"  # rocm reads gpu
+                activations.note("compute", jnp.bfloat16)
+            activations.note("compute", jnp.float32)  # a float32 policy records nothing
+            x, w = jnp.ones((2, 4, 4, 4), jnp.float32), jnp.ones((5, 4, 3, 3), jnp.float32)
+            on_gpu = _conv_result_dtypes(x, w)
+        assert outer.activations == inner.activations == {"compute"}
+        assert hardware.tracing() is None and hardware.target_platform() == "cpu"
+        assert activations.resolve("auto") == "float32"
+    # On an NVIDIA target a convolution and its two transposes return their 16-bit results
+    # (cuDNN accumulates in fp32); on the CPU, float32 results.
+    assert on_gpu == [BF16] * 3
+    assert _conv_result_dtypes(x, w) == [F32] * 3
+
+
+def _conv_result_dtypes(x, w):
+    def loss(x, w):
+        return mixed_ops.mixed_conv(x, w, _CONV, jnp.bfloat16, jnp.float32).sum()
+
+    from jax.extend import core as jcore
+
+    def convs(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "conv_general_dilated":
+                yield np.dtype(e.outvars[0].aval.dtype)
+            for sub in jcore.jaxprs_in_params(e.params):
+                yield from convs(sub)
+
+    return list(convs(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w).jaxpr))
+
+
+_CONV = dict(
+    window_strides=(1, 1),
+    padding=((1, 1), (1, 1)),
+    lhs_dilation=(1, 1),
+    rhs_dilation=(1, 1),
+    dimension_numbers=lax.ConvDimensionNumbers((0, 1, 2, 3), (0, 1, 2, 3), (0, 1, 2, 3)),
+    feature_group_count=1,
+    batch_group_count=1,
+    precision=None,
+)

@@ -125,3 +125,63 @@ def test_hlo_buffers_split_the_temporaries_at_their_peak_by_dtype():
     assert {k: v for k, v in peak.by_class.items() if v} == {"bf16": 32, "f32": 64, "free": 4}
     assert sum(peak.by_class.values()) == 100
     assert buffers.dtype_class("f8e4m3fn") == "fp8" and buffers.dtype_class("s32") == "int"
+
+
+def test_hlo_buffers_merge_a_buffer_whatever_order_its_values_come_in():
+    """Three values at one place whose live ranges chain (the second links the other two) are
+    one buffer, counted once; a loop-carried (phi) value is read too."""
+    text = """allocation 0: size 100, preallocated-temp:
+ value: <1 a @0> (size=40,offset=0): bf16[20]{0}
+ value: <2 b @0> (size=40,offset=0): bf16[20]{0}
+ value: <3 while.1{0} (phi) @0> (size=40,offset=0): bf16[20]{0}
+"""
+    allocations = buffers.parse_buffer_assignment(text)
+    assert [v.name for v in allocations[0].values] == ["a{}", "b{}", "while.1{0}"]
+    ranges = {"a{}": (0, 5), "b{}": (10, 15), "while.1{0}": (5, 10)}
+    peak = buffers.temp_peak(allocations, ranges)
+    assert peak.by_class["bf16"] == 40 and sum(peak.by_class.values()) == 100
+
+
+_LOOP = """HloModule loop
+
+%body (p: (s32[], f32[4,4])) -> (s32[], f32[4,4]) {
+  %p = (s32[], f32[4,4]{1,0}) parameter(0)
+  %x = f32[4,4]{1,0} get-tuple-element(%p), index=1
+  %d = f32[4,4]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %ar = f32[4,4]{1,0} all-reduce(%d), replica_groups={}, to_apply=%add
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], f32[4,4]{1,0}) tuple(%i, %ar)
+}
+
+%cond (p: (s32[], f32[4,4])) -> pred[] {
+  %p = (s32[], f32[4,4]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: f32[4,4]) -> f32[4,4] {
+  %x = f32[4,4]{1,0} parameter(0)
+  %z = s32[] constant(0)
+  %init = (s32[], f32[4,4]{1,0}) tuple(%z, %x)
+  %w = (s32[], f32[4,4]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %out = f32[4,4]{1,0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_hlo_counts_inside_a_loop_run_its_trip_count_times():
+    """A `lax.scan` (gradient accumulation, layers under scan) is a while loop: its GEMMs and
+    collectives run once per trip."""
+    program = hlo.parse(_LOOP)
+    assert program.multiplicity()["body"] == 4 and program.multiplicity()["main"] == 1
+    (gemm,) = hlo.gemms(program)
+    assert (gemm.kind, gemm.count, gemm.flops) == ("dot", 4, 2 * 4 * 4 * 4)
+    (reduce,) = hlo.collectives(program)
+    assert reduce.count == 4 and reduce.groups == () and reduce.from_matmul
+    assert mesh_axes(reduce.groups, [("data", 2), ("fsdp", 4)]) == ("data", "fsdp")
+    assert mesh_axes(None, [("data", 2), ("fsdp", 4)]) == ()  # a collective-permute's pairs

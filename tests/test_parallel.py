@@ -15,6 +15,7 @@ from jamp.parallel import (
     local_device_count,
     make_p_eval_step,
     make_p_train_step,
+    make_spmd_train_step,
     replicate,
     shard,
     unreplicate,
@@ -213,3 +214,26 @@ def test_p_train_step_averages_gradients_in_the_reduce_dtype():
     for a, b in zip(jax.tree.leaves(unreplicate(wide)), jax.tree.leaves(unreplicate(narrow))):
         assert a.dtype == b.dtype
         np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3)  # one bf16 rounding of the grads
+
+
+def test_spmd_train_step_is_the_pmapped_step_as_one_program():
+    """What `jamp.compile_for` compiles for a pmap layout: the same steps, bit for bit, as
+    make_p_train_step (the batch global, the state passed once), and an inf on one device's
+    rows skips the step everywhere."""
+    model, tx = BNNet(), optax.adam(1e-2)
+    scale = DynamicLossScale(loss_scale=2.0**10, growth_interval=2)
+    train_step = make_train_step(make_loss_fn(model), tx, axis_name="batch")
+    p_step = make_p_train_step(train_step)
+    s_step = make_spmd_train_step(train_step, jax.devices())
+    replicated, state = replicate(make_state(model, tx, scale)), make_state(model, tx, scale)
+    batches = [make_batch(key=k) for k in range(3)]
+    batches[1]["x"] = batches[1]["x"].at[3].set(jnp.inf)
+    for batch in batches:
+        replicated, p_metrics = p_step(replicated, shard(batch), KEY)
+        state, metrics = s_step(state, batch, KEY)
+        np.testing.assert_array_equal(metrics["loss"], unreplicate(p_metrics)["loss"])
+    for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(unreplicate(replicated))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert int(state.skipped_steps) == 1 and int(state.step) == 3
+    with pytest.raises(ValueError, match="axis_name"):
+        make_spmd_train_step(make_train_step(make_loss_fn(model), tx), jax.devices())

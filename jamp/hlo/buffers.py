@@ -23,10 +23,11 @@ import re
 from jamp.hlo.text import _arrays
 
 _ALLOCATION = re.compile(r"^allocation (\d+): size (\d+),(.*):\s*$")
-_VALUE = re.compile(
-    r"^\s*value: <\d+ (?P<name>[^ >]+) @\d+> \(size=(?P<size>\d+),offset=(?P<offset>\d+)\): "
-    r"(?P<type>.*)$"
+_VALUE = re.compile(  # a loop-carried value reads `<12 while.3{0} (phi) @0>`
+    r"^\s*value: <\d+ (?P<name>[^ >]+)(?: \(phi\))? @\d+> "
+    r"\(size=(?P<size>\d+),offset=(?P<offset>\d+)\): (?P<type>.*)$"
 )
+_SHAPE = re.compile(r"\bshape \|(?P<type>[^|]*)\|")
 _RANGE = re.compile(r"^\s+(?P<name>[^\s:]+\{[\d,]*\}):(?P<start>\d+)-(?P<end>\d+)\s*$")
 
 #: The classes live bytes are split into, in the order reports show them.
@@ -60,6 +61,7 @@ class Allocation:
     size: int
     kind: str  # "temp", "parameter", "output", "constant", "thread-local", "other"
     values: tuple[Value, ...]
+    cls: str = "other"  # the dtype class of the shape it is allocated for (a parameter's)
 
 
 def _kind(flags: str) -> str:
@@ -97,7 +99,9 @@ def parse_buffer_assignment(text: str) -> list[Allocation]:
         if m:
             if current is not None:
                 out.append(dataclasses.replace(current, values=tuple(values)))
-            current = Allocation(int(m.group(1)), int(m.group(2)), _kind(m.group(3)), ())
+            shape = _SHAPE.search(m.group(3))
+            cls = _value_class("", shape.group("type")) if shape else "other"
+            current = Allocation(int(m.group(1)), int(m.group(2)), _kind(m.group(3)), (), cls)
             values = []
             continue
         v = _VALUE.match(line)
@@ -146,22 +150,27 @@ def temp_peak(allocations: list[Allocation], ranges: dict[str, tuple[int, int]])
     """The moment the temporaries hold the most live bytes, and those bytes by dtype class."""
     temps = [a for a in allocations if a.kind == "temp"]
     size = sum(a.size for a in temps)
-    # Values that share bytes (an in-place update and its input) are one buffer: one interval.
-    buffers: dict[tuple[int, int, int], list] = {}
+    # Values that share bytes (an in-place update and its input) are one buffer: one interval
+    # per run of overlapping live ranges at the same place.
+    by_place: dict[tuple[int, int, int], list] = {}
     for a in temps:
         for v in a.values:
-            if v.name not in ranges:
-                continue
-            start, end = ranges[v.name]
-            key = (a.index, v.offset, v.size)
-            for b in buffers.setdefault(key, []):
-                if start <= b[1] and b[0] <= end:  # overlapping in time: the same buffer
-                    b[0], b[1] = min(b[0], start), max(b[1], end)
-                    b[2].append(v.cls)
-                    break
+            if v.name in ranges:
+                by_place.setdefault((a.index, v.offset, v.size), []).append(
+                    (*ranges[v.name], v.cls)
+                )
+    intervals = []
+    for (_, _, n), spans in by_place.items():
+        spans.sort()
+        start, end, classes = spans[0][0], spans[0][1], [spans[0][2]]
+        for s0, e0, cls in spans[1:]:
+            if s0 <= end:  # overlaps the run so far: the same buffer
+                end = max(end, e0)
+                classes.append(cls)
             else:
-                buffers[key].append([start, end, [v.cls]])
-    intervals = [(s, e, key[2], classes) for key, bs in buffers.items() for s, e, classes in bs]
+                intervals.append((start, end, n, classes))
+                start, end, classes = s0, e0, [cls]
+        intervals.append((start, end, n, classes))
     events = sorted(
         [(s, 0, n) for s, _, n, _ in intervals] + [(e + 1, -1, n) for _, e, n, _ in intervals]
     )

@@ -63,6 +63,7 @@ class Collective:
     into_matmul: bool = False  # its result is an operand of a dot / convolution (e.g. a weight)
     from_matmul: bool = False  # its operand is a dot's / convolution's result (e.g. a weight grad)
     groups: Optional[tuple[tuple[int, ...], ...]] = None  # device groups (positions), if given
+    count: int = 1  # runs per run of the program (inside a loop: its trip count)
 
     @property
     def nbytes(self) -> int:
@@ -77,7 +78,9 @@ def partitioned_hlo(jitted, *args, **kwargs) -> str:
     persistent compilation cache is off meanwhile (see `jamp.hlo.dump`).
     """
     lowered = jitted.lower(*args, **kwargs)
-    _, files = dump.compile_dumped(lowered, {"xla_dump_hlo_pass_re": "spmd-partitioning"})
+    _, files = dump.compile_dumped(
+        lowered, {"xla_dump_hlo_pass_re": "spmd-partitioning"}, keep=("spmd-partitioning",)
+    )
     found = [text for name, text in sorted(files.items()) if "after_spmd-partitioning" in name]
     if not found:
         raise RuntimeError(
@@ -116,7 +119,9 @@ def replica_groups(attributes: str) -> Optional[tuple[tuple[int, ...], ...]]:
             ids = ids.transpose([int(d) for d in m.group(3).split(",")])
         return tuple(tuple(int(i) for i in row) for row in ids.reshape(shape))
     m = _GROUPS_LIST.search(attributes)
-    if m and m.group(1):
+    if m and not m.group(1):
+        return ()  # replica_groups={}: one group of every device
+    if m:
         groups = re.findall(r"\{([\d,]*)\}", m.group(1))
         return tuple(tuple(int(i) for i in g.split(",") if i) for g in groups)
     return None
@@ -127,7 +132,10 @@ def mesh_axes(
 ) -> tuple[str, ...]:
     """The mesh axes a collective's device groups span, devices numbered in the mesh's order
     (row-major over `axis_sizes`, as `Mesh.devices.flat`). () where the groups match no set of
-    axes (or are absent); all axes when one group holds every device."""
+    axes or are absent (None: a collective-permute's pairs); all axes when one group, or the
+    empty set of groups (`{}`), holds every device."""
+    if groups is None:
+        return ()
     names = [n for n, _ in axis_sizes]
     sizes = [s for _, s in axis_sizes]
     total = int(np.prod(sizes)) if sizes else 1
@@ -191,11 +199,18 @@ def _element_users(program: Program, users: dict, name: str, k: int, n: int) -> 
 
 
 def _reaches_any(starts: list[str], edges: dict[str, list[str]], program: Program) -> bool:
-    return any(
-        program.by_name.get(s) is not None
-        and (_is_matmul(program.by_name[s]) or _reaches(s, edges, program))
-        for s in starts
-    )
+    """Whether one of `starts` is a matmul, or passes a value on to one along `edges`."""
+    for name in starts:
+        inst = program.by_name.get(name)
+        if inst is None:
+            continue
+        if _is_matmul(inst):
+            return True
+        if (inst.op in _PASS_THROUGH or _moves_only(inst, program)) and _reaches(
+            name, edges, program
+        ):
+            return True
+    return False
 
 
 def _is_matmul(inst) -> bool:
@@ -213,6 +228,7 @@ def collectives(hlo_text: str | Program) -> list[Collective]:
     program = hlo_text if isinstance(hlo_text, Program) else parse(hlo_text)
     users = program.users()
     operands = {inst.name: list(inst.operands) for inst in program.instructions}
+    times = program.multiplicity()
     out = []
     for inst in program.instructions:
         kind = inst.op[: -len("-start")] if inst.op.endswith("-start") else inst.op
@@ -235,5 +251,6 @@ def collectives(hlo_text: str | Program) -> list[Collective]:
                 source = _reaches(inst.name, operands, program)
             else:
                 source = _reaches_any([source_name], operands, program)
-            out.append(Collective(kind, dtype, shape, inst.op_name, into, source, groups))
+            count = times.get(inst.computation, 1)
+            out.append(Collective(kind, dtype, shape, inst.op_name, into, source, groups, count))
     return out

@@ -14,8 +14,9 @@ import tempfile
 from typing import Any, Optional
 
 
-def compile_dumped(lowered, options: Optional[dict[str, Any]] = None):
-    """`(executable, {file name: text})` of `lowered.compile(...)` with XLA's dump on."""
+def compile_dumped(lowered, options: Optional[dict[str, Any]] = None, keep=None):
+    """`(executable, {file name: text})` of `lowered.compile(...)` with XLA's dump on; with
+    `keep` (file name endings or substrings), only the files that name one of them are read."""
     import jax  # here: only a compile needs it
     from jax.experimental.compilation_cache import compilation_cache
 
@@ -31,7 +32,7 @@ def compile_dumped(lowered, options: Optional[dict[str, Any]] = None):
             compilation_cache.reset_cache()
         files = {}
         for name in sorted(os.listdir(where)):
-            if name.endswith(".txt"):
+            if name.endswith(".txt") and (keep is None or any(k in name for k in keep)):
                 with open(os.path.join(where, name)) as f:
                     files[name] = f.read()
     return executable, files

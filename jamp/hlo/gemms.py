@@ -48,6 +48,7 @@ class Gemm:
     flops: int = 0  # 2 x multiply-adds, for one call; 0 where jamp cannot tell
     batched: bool = False  # a batched matmul (batch dimensions: attention's scores and mix)
     accumulates: str = ""  # a fusion's dot's own result dtype (what it sums in); else `result`
+    count: int = 1  # runs per run of the program (inside a loop: its trip count)
 
     @property
     def is_fp32(self) -> bool:
@@ -168,5 +169,13 @@ def gemms(program: Program) -> list[Gemm]:
         else:
             found.append(Gemm(inst.name, "conv", operands, inst.dtype, inst.op_name))
     order = {inst.name: i for i, inst in enumerate(program.instructions)}
-    found = [g if g.accumulates else dataclasses.replace(g, accumulates=g.result) for g in found]
+    times = program.multiplicity()
+    found = [
+        dataclasses.replace(
+            g,
+            accumulates=g.accumulates or g.result,
+            count=times.get(program.by_name[g.name].computation, 1),
+        )
+        for g in found
+    ]
     return sorted(found, key=lambda g: order.get(g.name, 0))

@@ -288,6 +288,25 @@ class Program:
                 yield inner
                 todo.extend(inner.called)
 
+    def multiplicity(self) -> dict[str, int]:
+        """computation -> how many times one run of the program runs it: a while loop's body
+        (a `lax.scan`'s: gradient accumulation, layers under scan) as often as its known trip
+        count says, nested loops multiplied; 1 where XLA knows no trip count."""
+        out = {self.entry: 1}
+        todo = [self.entry]
+        while todo:
+            computation = todo.pop()
+            for inst in self.computations.get(computation, ()):
+                times = out[computation]
+                if inst.op == "while":
+                    trips = inst.backend_config().get("known_trip_count", {}).get("n")
+                    times *= int(trips) if trips else 1
+                for name in inst.called:
+                    if name not in out:
+                        out[name] = times
+                        todo.append(name)
+        return out
+
     def callers(self) -> dict[str, Instruction]:
         """computation -> the instruction that calls it (the first, if several do)."""
         out: dict[str, Instruction] = {}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import os
 import re
 from typing import Any, Optional
 
@@ -22,6 +23,18 @@ from jamp.hlo import buffers
 from jamp.inspect._paths import op_name_path
 
 _GIB = float(1 << 30)
+
+
+def memory_fraction() -> float:
+    """The share of a GPU's memory JAX's allocator takes: $XLA_PYTHON_CLIENT_MEM_FRACTION, else
+    JAX's default 0.75 (the rest is the CUDA context, cuBLAS / cuDNN / NCCL buffers and what
+    other processes hold)."""
+    value = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "")
+    try:
+        fraction = float(value) if value else 0.75
+    except ValueError:
+        fraction = 0.75
+    return min(max(fraction, 0.0), 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +112,6 @@ class CompileReport:
     def usable_bytes(self, fraction: Optional[float] = None) -> int:
         """Bytes a step may plan for per device: `fraction` (default
         `jamp.target.memory_fraction()`, JAX's allocator pool) of the GPU's memory."""
-        from jamp.target import memory_fraction
-
         return int(self.memory.hbm * (memory_fraction() if fraction is None else fraction))
 
     def fits(self, fraction: Optional[float] = None) -> bool:
@@ -112,7 +123,10 @@ class CompileReport:
         for g in self.gemms:
             groups.setdefault((g.kind, " x ".join(g.operands) or "?"), []).append(g)
         return sorted(
-            (GemmGroup(k, o, len(v), sum(g.flops for g in v)) for (k, o), v in groups.items()),
+            (
+                GemmGroup(k, o, sum(g.count for g in v), sum(g.flops * g.count for g in v))
+                for (k, o), v in groups.items()
+            ),
             key=lambda g: -g.flops,
         )
 
@@ -123,9 +137,8 @@ class CompileReport:
         for g in self.gemms:
             if g.is_fp32:
                 path, backward = op_name_path(g.op_name)
-                found[
-                    (path or _scope(g.op_name), "backward" if backward else "forward", g.kind)
-                ] += 1
+                key = (path or _scope(g.op_name), "backward" if backward else "forward", g.kind)
+                found[key] += g.count
         return [(*k, n) for k, n in sorted(found.items())]
 
     def to_dict(self) -> dict[str, Any]:
@@ -172,7 +185,9 @@ def _table_lines(r: CompileReport) -> list[str]:
     m = r.memory
     mesh = ", ".join(f"{k}={v}" for k, v in r.mesh.items()) or "one device"
     forms = {"compute": "16-bit between matmuls", "float32": "float32 between matmuls"}
-    act = "; ".join(f"{a} ({forms.get(a, a)})" for a in r.activations) or "no wrapped model"
+    act = "; ".join(f"{a} ({forms.get(a, a)})" for a in r.activations) or (
+        "no 16-bit policy traced (or JAX reused an earlier trace of this step)"
+    )
     lines = [
         f"compiled for {r.target} ({r.devices} x {r.gpu}, {_size(m.hbm)} each), mesh {mesh}, "
         f"in {r.compile_seconds:.1f} s",
@@ -264,30 +279,49 @@ def _collective_groups(program: hlo.Program, mesh) -> list[CollectiveGroup]:
         over = hlo.mesh_axes(c.groups, axes) if axes else ()
         groups.setdefault((c.kind, c.dtype, over), []).append(c)
     return [
-        CollectiveGroup(k, d, a, len(v), sum(c.nbytes for c in v), sum(c.into_matmul for c in v))
-        for (k, d, a), v in sorted(groups.items(), key=lambda kv: -sum(c.nbytes for c in kv[1]))
+        CollectiveGroup(
+            k,
+            d,
+            a,
+            sum(c.count for c in v),
+            sum(c.nbytes * c.count for c in v),
+            sum(c.count for c in v if c.into_matmul),
+        )
+        for (k, d, a), v in sorted(
+            groups.items(), key=lambda kv: -sum(c.nbytes * c.count for c in kv[1])
+        )
     ]
 
 
 def _file(files: dict[str, str], suffix: str) -> str:
-    found = [text for name, text in files.items() if name.endswith(suffix)]
+    """The dump of the optimized program (XLA also dumps some before optimizations)."""
+    found = [t for n, t in files.items() if n.endswith(suffix) and "after_optimizations" in n]
+    found = found or [t for n, t in files.items() if n.endswith(suffix)]
     return found[-1] if found else ""
 
 
 def _arguments_by_dtype(allocations) -> dict[str, int]:
     out = dict.fromkeys(buffers.CLASSES[:-2], 0)
     for a in allocations:
-        if a.kind == "parameter" and a.values:
-            # A parameter's own value comes first; later ones reuse its (donated) bytes.
-            out[a.values[0].cls] = out.get(a.values[0].cls, 0) + a.size
+        if a.kind == "parameter":  # by the parameter's own shape (donated bytes hold others too)
+            out[a.cls] = out.get(a.cls, 0) + a.size
     return out
 
 
+#: The dumps the report reads (file name endings): XLA's buffer assignment and live ranges.
+DUMPS = ("buffer-assignment.txt", "live-range.txt")
+
+
 def build_report(
-    *, target, executable, files, lowered, mesh, activations, compile_seconds
+    *, target, devices, executable, files, mesh, activations, compile_seconds
 ) -> CompileReport:
     """The report of one compiled program (see `jamp.compile_for`)."""
-    del lowered
+    missing = [d for d in DUMPS if not any(n.endswith(d) for n in files)]
+    if missing:
+        raise RuntimeError(
+            f"XLA dumped no {', '.join(missing)} for this program (this XLA names its dumps "
+            "otherwise): the memory split by dtype cannot be read"
+        )
     text = executable.as_text()
     program = hlo.parse(text)
     stats = executable.memory_analysis()
@@ -311,7 +345,7 @@ def build_report(
     return CompileReport(
         target=target.name,
         gpu=target.gpu.kind,
-        devices=target.num_devices,
+        devices=devices,
         mesh=dict(mesh.shape) if mesh is not None else {},
         activations=tuple(activations),
         compile_seconds=compile_seconds,

@@ -65,7 +65,14 @@ def parse(config, target_name: str) -> Recipe:
     except ValueError as e:
         raise ConfigError(f"--compile_for: {e}") from None
     run, data_cfg, optim_cfg, task = parse_config(config, devices=target.devices)
-    return Recipe(run, data_cfg, optim_cfg, task, target)
+    recipe = Recipe(run, data_cfg, optim_cfg, task, target)
+    if run.batch_size % recipe.batch_unit:  # what get_dataset checks in a run
+        raise ConfigError(
+            f"batch_size {run.batch_size} does not divide evenly over the {target.name} step's "
+            f"{recipe.batch_unit // run.accumulation_steps} batch devices x "
+            f"{run.accumulation_steps} accumulation steps: use a multiple of {recipe.batch_unit}"
+        )
+    return recipe
 
 
 def abstract_batch(info, batch_size: int) -> dict:
