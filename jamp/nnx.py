@@ -38,7 +38,7 @@ from flax import nnx
 from jamp import activations as activations_lib
 from jamp import overrides as overrides_lib
 from jamp import precision
-from jamp.autocast import rewrite
+from jamp.engine import rewrite
 
 #: NNX module classes that run in float32 unless `overrides` says otherwise.
 FP32_MODULES: tuple[type, ...] = (

@@ -45,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jamp import hardware, hlo, placement
-from jamp.autocast import placing
+from jamp.engine import placing
 from jamp.placement import AXES, Rules, path_keys
 from jamp.placement import describe as describe  # re-exported: the public surface is here
 from jamp.placement import rules_from_metadata as rules_from_metadata

@@ -46,7 +46,7 @@ from jamp import activations as activations_lib
 from jamp import nnx as nnx_lib
 from jamp import overrides as overrides_lib
 from jamp import precision
-from jamp.autocast import rewrite
+from jamp.engine import rewrite
 from jamp.precision import reduce_dtype
 
 PolicyLike = overrides_lib.PolicyLike

@@ -50,6 +50,8 @@ RANK = {
     "hardware": -1,  # below precision and mixed_ops, which ask it what the device runs
     "traced_for": -2,  # below hardware, which re-exports it
     "loss_scale": 1,
+    "engine": 0.9,  # the interpreter beneath autocast, wrap and nnx
+    "attention": 0.6,  # fused attention in a compute dtype, which the engine calls
     "autocast": 1,
     "overrides": 0.8,  # above precision, whose policies override keys map to
     "nnx": 1.5,  # above autocast and overrides, below wrap, which hands NNX modules to it

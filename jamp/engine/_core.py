@@ -1,0 +1,387 @@
+"""The engine's interpreter: evaluates a traced program again, equation by equation, under a
+compute dtype (see `jamp.engine`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+
+from jamp import activations as act
+from jamp import fp8, jax_compat, mixed_ops
+from jamp.engine import _values as V
+
+ComputeFor = Callable[[jcore.JaxprEqn, Optional[np.dtype]], Optional[np.dtype]]
+
+
+def _choose(ctx: "_Ctx", eqn, inherited):
+    """The compute dtype of `eqn`; a choice that reads scope paths (`jamp.autocast`'s overrides)
+    also gets the name stack of the programs around this one, which the equation's own lacks."""
+    if getattr(ctx.compute_for, "reads_scope_prefix", False):
+        return ctx.compute_for(eqn, inherited, ctx.prefix)
+    return ctx.compute_for(eqn, inherited)
+
+
+def _changes(jaxpr: jcore.Jaxpr, compute_dtype, ctx: "_Ctx") -> bool:
+    """Whether evaluating `jaxpr` under `compute_dtype` would run anything differently than traced."""
+    for eqn in jaxpr.eqns:
+        dtype = _choose(ctx, eqn, compute_dtype)
+        if dtype is not None and ctx.lower and dtype.itemsize < 4:
+            return True  # activations may be carried in 16 bits from here on
+        if eqn.primitive in (V.DOT, V.CONV) and V.needs_rewrite(
+            [v.aval for v in eqn.invars], dtype
+        ):
+            return True
+        if any(_changes(sub, dtype, _within(ctx, eqn)) for sub in V.sub_jaxprs(eqn)):
+            return True
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ctx:
+    compute_for: ComputeFor
+    lower: bool  # carry float32 activations in the 16-bit compute dtype (`jamp.activations`)
+    # fp8: the model's last matmul (its output head), which inherits bfloat16 instead of fp8;
+    # whether fp8 matmuls here may read a scaling state (not in re-traced sub-programs, whose
+    # closures could not carry it); the name stack above this program; the trace's site tally.
+    head: Optional[jcore.JaxprEqn] = None
+    stateful: bool = True
+    prefix: str = ""
+    sites: dict = dataclasses.field(default_factory=dict, compare=False)
+
+
+def _stateless(ctx: _Ctx) -> _Ctx:
+    return dataclasses.replace(ctx, stateful=False) if ctx.stateful else ctx
+
+
+def _rewrite_closed(
+    closed: jcore.ClosedJaxpr, compute_dtype, ctx: _Ctx, weak=None
+) -> jcore.ClosedJaxpr:
+    """The sub-program with its matmuls rewritten and its signature (dtypes included) unchanged."""
+
+    ctx = _stateless(ctx)
+
+    def run(*args):
+        outs, _ = _eval(closed.jaxpr, closed.consts, args, compute_dtype, ctx, weak)
+        return [V.cast(o, v.aval.dtype) for o, v in zip(outs, closed.jaxpr.outvars)]
+
+    return jax.make_jaxpr(run)(*[V.spec(v.aval) for v in closed.jaxpr.invars])
+
+
+def _rewrite_param(value, compute_dtype, ctx: _Ctx, weak=None):
+    """Rewrite one equation parameter if it is (a tuple of) sub-programs containing matmuls.
+
+    `weak` gives, per input of the sub-program, whether it is weak (None: none is).
+    """
+    if isinstance(value, jcore.ClosedJaxpr):
+        if not V.has_matmul(value.jaxpr):
+            return value
+        return _rewrite_closed(value, compute_dtype, ctx, weak)
+    if isinstance(value, jcore.Jaxpr):
+        if not V.has_matmul(value):
+            return value
+        closed = _rewrite_closed(jcore.ClosedJaxpr(value, ()), compute_dtype, ctx, weak)
+        # An open sub-program (e.g. remat's) has no slot for constants; keep the original if the
+        # rewrite needed any, rather than changing the equation's signature.
+        return value if closed.consts else closed.jaxpr
+    if isinstance(value, tuple) and value and all(isinstance(v, jcore.ClosedJaxpr) for v in value):
+        return tuple(_rewrite_param(v, compute_dtype, ctx, weak) for v in value)
+    return value
+
+
+def _eval_shard_map(eqn, invals, compute_dtype, ctx: _Ctx):
+    """A `shard_map` with its body rewritten: the body's collectives need the mapping's axes, so it
+    is mapped again rather than re-traced on its own."""
+    jaxpr = jax_compat.param(eqn, "jaxpr")
+    if not V.has_matmul(jaxpr):
+        return V.bind(eqn, invals, eqn.params)
+    ctx = _stateless(_within(ctx, eqn))
+
+    def body(*xs):
+        outs, _ = _eval(jaxpr, (), xs, compute_dtype, ctx, None)
+        return tuple(V.cast(o, v.aval.dtype) for o, v in zip(outs, jaxpr.outvars))
+
+    return list(jax_compat.shard_map_like(eqn, body)(*invals))
+
+
+def _check_rewritable(eqn, compute_dtype, ctx: _Ctx) -> None:
+    """An unknown higher-order primitive with matmuls to rewrite inside fails here, at trace time:
+    rewriting its sub-programs without knowing how it uses them could silently mis-lower it."""
+    name = eqn.primitive.name
+    if name in V.REWRITTEN_INSIDE or jax_compat.is_kernel(eqn):
+        return
+    for sub in jcore.jaxprs_in_params(eqn.params):
+        if V.has_matmul(sub) and _changes(sub, compute_dtype, ctx):
+            raise jax_compat.unsupported(
+                name, "it is a higher-order primitive with matmuls inside that jamp does not know"
+            )
+
+
+def _matmul_out_dtype(eqn, compute_dtype, ctx: _Ctx):
+    traced = eqn.outvars[0].aval.dtype
+    lowered = ctx.lower and compute_dtype.itemsize < 4 and act.is_lowerable(traced)
+    return fp8.carrier(compute_dtype) if lowered else traced
+
+
+def _fp8_dot(eqn, invals, compute_dtype, ctx: _Ctx, placed):
+    site = None
+    if ctx.stateful:
+        stack = "/".join(s for s in (ctx.prefix, str(eqn.source_info.name_stack)) if s)
+        site = fp8.site_name(stack, fp8.site_counts(ctx.sites))
+    out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)
+    dims = jax_compat.param(eqn, "dimension_numbers")
+    return [fp8.dot_general(*invals, dims, out_dtype, site, V.placed_for(placed, compute_dtype))]
+
+
+def _eval_as_traced(eqn, invals, compute_dtype, ctx: _Ctx, weak=None, placed=None):
+    """The equation with its matmuls rewritten and everything else as traced."""
+    # The mixed matmuls cast their operands themselves: a 16-bit activation goes in as it is, and
+    # its gradient comes back 16-bit.
+    if eqn.primitive not in (V.DOT, V.CONV) or not V.needs_rewrite(invals, compute_dtype):
+        invals = V.as_traced(eqn, invals)
+    if (
+        eqn.primitive is V.DOT
+        and fp8.is_fp8(compute_dtype)
+        and V.needs_rewrite(invals, compute_dtype)
+    ):
+        # A layer's matmul (activation x weight: one operand made of the weak arguments, the
+        # variables, alone) is fp8; one of two activations (attention's scores and mix) stays
+        # bfloat16, as in Transformer Engine, and so does a weight x weight product (LoRA's A @ B).
+        if weak is not None and sum(map(bool, weak)) == 1:
+            return _fp8_dot(eqn, invals, compute_dtype, ctx, placed)
+        compute_dtype = fp8.CARRIER
+    if eqn.primitive is V.DOT and V.needs_rewrite(invals, compute_dtype):
+        out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)
+        dims = jax_compat.param(eqn, "dimension_numbers")
+        where = V.placed_for(placed, compute_dtype)
+        return [mixed_ops.mixed_dot_general(*invals, dims, compute_dtype, out_dtype, where)]
+    if eqn.primitive is V.CONV and V.needs_rewrite(invals, compute_dtype):
+        out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)
+        where = V.placed_for(placed, compute_dtype)
+        conv_dtype = fp8.carrier(compute_dtype)  # fp8 is for matmuls only
+        return [mixed_ops.mixed_conv(*invals, eqn.params, conv_dtype, out_dtype, where)]
+    if jax_compat.is_kernel(eqn):  # a kernel runs as written, on its traced operand dtypes
+        return V.bind(eqn, invals, eqn.params)
+    if eqn.primitive.name == "shard_map":
+        return _eval_shard_map(eqn, invals, compute_dtype, ctx)
+    _check_rewritable(eqn, compute_dtype, ctx)
+    tracks_weak = ctx.lower or fp8.is_fp8(compute_dtype)  # fp8 tells weights by weakness
+    body_weak = V.body_weak(eqn, list(weak)) if tracks_weak and weak is not None else {}
+    inner = _within(ctx, eqn)  # the sub-programs' name stacks continue this equation's
+    params = {
+        k: _rewrite_param(v, compute_dtype, inner, body_weak.get(k)) for k, v in eqn.params.items()
+    }
+    return V.bind(eqn, invals, params)
+
+
+def _eval_polymorphic(eqn, invals, weak):
+    """A shape or elementwise operation, in the dtype `jamp.activations.run_dtype` picks."""
+    traced = [v.aval.dtype for v in eqn.invars]
+    target = act.run_dtype(traced, [V.dtype_of(x) for x in invals], weak)
+    cast = []
+    for x, t, w in zip(invals, traced, weak):
+        if target is None or not act.is_lowerable(t):
+            cast.append(V.cast(x, t))
+        elif w and V.dtype_of(x) != target:
+            cast.append(V.saturate(x, target))
+        else:
+            cast.append(V.cast(x, target))
+    return V.bind(eqn, cast, eqn.params)
+
+
+def _eval_custom_jvp(eqn, invals, weak, compute_dtype, ctx: _Ctx):
+    """A custom-JVP function (e.g. `jax.nn.relu`) on 16-bit operands, keeping its derivative rule.
+
+    The primal runs in the activation dtypes; the rule, as traced, runs on operands cast back.
+    """
+    call = jax_compat.param(eqn, "call_jaxpr")
+    traced = [v.aval.dtype for v in eqn.invars]
+    ctx = _stateless(ctx)
+
+    def body(*xs):
+        return _eval(call.jaxpr, call.consts, xs, compute_dtype, ctx, weak)[0]
+
+    specs = [jax.ShapeDtypeStruct(np.shape(x), V.dtype_of(x)) for x in invals]
+    out_dtypes = [o.dtype for o in jax.eval_shape(body, *specs)]
+
+    def down(values):
+        return [V.cast(x, d) for x, d in zip(values, out_dtypes)]
+
+    def rule(primals, tangents):
+        up = V.as_traced(eqn, primals)
+        up_t = [V.cast(t, d) if V.is_float_dtype(t.dtype) else t for t, d in zip(tangents, traced)]
+        outs, out_t = jax.jvp(lambda *a: V.bind(eqn, a, eqn.params), up, up_t)
+        return down(outs), down(out_t)
+
+    fn = jax.custom_jvp(body)
+    fn.defjvp(rule)
+    return fn(*invals)
+
+
+def _eval_remat(eqn, invals, weak, compute_dtype, ctx: _Ctx):
+    """A `remat` re-applied to its rewritten body: a closure, so fp8 sites inside it can read
+    the scaling state (a re-traced sub-program could not carry it)."""
+    jaxpr = jax_compat.param(eqn, "jaxpr")
+
+    def body(*xs):
+        return _eval(jaxpr, (), xs, compute_dtype, _within(ctx, eqn), weak)[0]
+
+    prevent_cse, policy = (jax_compat.param(eqn, k) for k in ("prevent_cse", "policy"))
+    return list(jax.checkpoint(body, prevent_cse=prevent_cse, policy=policy)(*invals))
+
+
+def _eval_lowered(eqn, invals, weak, compute_dtype, ctx: _Ctx, placed=None):
+    """One equation where activations may be 16-bit; returns (outputs, whether each is weak)."""
+    name = eqn.primitive.name
+    n_out = len(eqn.outvars)
+    lowered = any(V.dtype_of(x) != v.aval.dtype for x, v in zip(invals, eqn.invars))
+    all_weak = all(weak)  # e.g. a gather of a weak table by data indices is data: strong
+    squares = name == "mul" and eqn.invars[0] is eqn.invars[1]  # x * x, as in jnp.linalg.norm
+    made_of_weights = [all_weak and fp8.is_fp8(compute_dtype)] * n_out  # see _eval_eqn
+    if act.runs_in_fp32("square" if squares else name, compute_dtype):
+        return _eval_as_traced(eqn, invals, compute_dtype, ctx), made_of_weights
+    if lowered and name in ("jit", "pjit"):  # inlined, so that its 16-bit results stay 16-bit
+        closed = jax_compat.param(eqn, "jaxpr")
+        return _eval(closed.jaxpr, closed.consts, invals, compute_dtype, _within(ctx, eqn), weak)
+    if name in act.POLYMORPHIC_PRIMITIVES:
+        return _eval_polymorphic(eqn, invals, weak), [all_weak] * n_out
+    if name == "convert_element_type":
+        (x,), (v,) = invals, eqn.invars
+        if V.dtype_of(x) != v.aval.dtype and jax_compat.param(eqn, "new_dtype") == v.aval.dtype:
+            return [x], list(weak)  # a no-op conversion of a lowered value (e.g. weak-type only)
+        return V.bind(eqn, [x], eqn.params), list(weak)
+    if lowered and name == "custom_jvp_call":
+        return _eval_custom_jvp(eqn, invals, weak, compute_dtype, ctx), [False] * n_out
+    if name == "remat2":  # re-applied, so that its 16-bit results stay 16-bit
+        return _eval_remat(eqn, invals, weak, compute_dtype, ctx), [False] * n_out
+    # Anything else (sub-programs, matmuls, unknown operations): as traced.
+    return _eval_as_traced(eqn, invals, compute_dtype, ctx, weak, placed), made_of_weights
+
+
+def _within(ctx: _Ctx, eqn) -> _Ctx:
+    """The context of a sub-program evaluated in place: its name stack continues the equation's."""
+    stack = "/".join(s for s in (ctx.prefix, str(eqn.source_info.name_stack)) if s)
+    return dataclasses.replace(ctx, prefix=stack)
+
+
+def _eval_eqn(eqn, invals, weak, compute_dtype, ctx: _Ctx, placed=None):
+    if ctx.lower and compute_dtype is not None and compute_dtype.itemsize < 4:
+        return _eval_lowered(eqn, invals, weak, compute_dtype, ctx, placed)
+    if fp8.is_fp8(compute_dtype):
+        # Evaluated in place (a closure), so that fp8 sites inside can read the scaling state.
+        if eqn.primitive.name == "remat2":
+            outs = _eval_remat(eqn, invals, weak, compute_dtype, ctx)
+            return outs, [False] * len(outs)
+        if eqn.primitive.name in ("jit", "pjit"):
+            closed = jax_compat.param(eqn, "jaxpr")
+            return _eval(
+                closed.jaxpr, closed.consts, invals, compute_dtype, _within(ctx, eqn), weak
+            )
+    outs = _eval_as_traced(eqn, invals, compute_dtype, ctx, weak, placed)
+    # fp8 tells a layer's matmul by its weight: a value made of the variables alone (a cast
+    # kernel, W + A @ B, a weight-normalized kernel) is one.
+    poly = eqn.primitive.name in act.POLYMORPHIC_PRIMITIVES or fp8.is_fp8(compute_dtype)
+    return outs, [poly and all(weak)] * len(outs)
+
+
+def _eval(
+    jaxpr,
+    consts,
+    args,
+    compute_dtype,
+    ctx: _Ctx,
+    weak: Optional[Sequence[bool]],
+    placed: Optional[Sequence[Optional[mixed_ops.Placed]]] = None,
+):
+    """Evaluates `jaxpr`; returns its outputs (possibly lowered) and whether each is weak.
+
+    `placed` gives, per argument, its placement on a mesh (a sharded parameter) or None."""
+    env: dict[Any, Any] = {}
+    weak_env: dict[Any, bool] = {}
+    place_env: dict[Any, mixed_ops.Placed] = {
+        v: p for v, p in zip(jaxpr.invars, placed or ()) if p is not None
+    }
+
+    def read(v):
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    def is_weak(v):
+        return True if isinstance(v, jcore.Literal) else weak_env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    weak_env.update((v, True) for v in jaxpr.constvars)
+    env.update(zip(jaxpr.invars, args))
+    weak_env.update(zip(jaxpr.invars, weak if weak is not None else [False] * len(args)))
+    for eqn in jaxpr.eqns:
+        # Under fp8 the output head inherits the carrier dtype; an override still decides it.
+        inherited = fp8.carrier(compute_dtype) if eqn is ctx.head else compute_dtype
+        eqn_dtype = _choose(ctx, eqn, inherited)
+        # Keep the module path of each operation, for profiles and for anyone reading the program.
+        where = None
+        if place_env:
+            where = [place_env.get(v) if isinstance(v, jcore.Var) else None for v in eqn.invars]
+            followed = V.follow_placement(eqn, where)
+            if followed is not None:
+                place_env[eqn.outvars[0]] = followed
+        with jax.named_scope(str(eqn.source_info.name_stack) or "_"):
+            outs, outs_weak = _eval_eqn(
+                eqn,
+                [read(v) for v in eqn.invars],
+                [is_weak(v) for v in eqn.invars],
+                eqn_dtype,
+                ctx,
+                where,
+            )
+        for var, val, w in zip(eqn.outvars, outs, outs_weak):
+            if not isinstance(var, jcore.DropVar):
+                env[var] = val
+                weak_env[var] = w
+    return [read(v) for v in jaxpr.outvars], [is_weak(v) for v in jaxpr.outvars]
+
+
+def eval_jaxpr(
+    jaxpr: jcore.Jaxpr,
+    consts,
+    args,
+    compute_dtype,
+    compute_for: ComputeFor,
+    *,
+    activations: str = "float32",
+    weak: Optional[Sequence[bool]] = None,
+    placed: Optional[Sequence[Optional[mixed_ops.Placed]]] = None,
+    head_in_fp8: bool = False,
+):
+    """Evaluate `jaxpr` on `args`, with matmuls in the dtype that `compute_for` picks per equation.
+
+    Args:
+      jaxpr: the program to evaluate.
+      consts: values of its constvars.
+      args: values of its invars (arrays or tracers).
+      compute_dtype: the dtype in force where no equation says otherwise (None: as traced).
+      compute_for: `(eqn, inherited_dtype) -> dtype or None`.
+      activations: "float32" keeps every value in its traced dtype; "compute" lets float32 values
+        between operations be carried in a 16-bit compute dtype (see `jamp.activations`);
+        "auto" picks per platform.
+      weak: per argument, whether it takes the dtype of what it is combined with (e.g. the
+        model's variables); see `jamp.activations`.
+      placed: per argument, a `jamp.mixed_ops.Placed` (a sharded parameter) or None.
+      head_in_fp8: under fp8 matmuls (`jamp.fp8.MATMUL_MARKER`), whether the program's last
+        matmul (a model's output head) is fp8 too; by default it inherits bfloat16.
+
+    Returns:
+      The list of output values, in the dtypes the program was traced with.
+    """
+    head = None if head_in_fp8 else V.last_dot(jaxpr)
+    form = act.resolve(activations)
+    act.note(form, compute_dtype)
+    ctx = _Ctx(compute_for, form == "compute", head)
+    outs, _ = _eval(jaxpr, consts, args, compute_dtype, ctx, weak, placed)
+    # A literal output (e.g. a constant returned by an inlined jit) comes back as an array.
+    return [
+        jnp.asarray(o, v.aval.dtype) if isinstance(v, jcore.Literal) else V.cast(o, v.aval.dtype)
+        for o, v in zip(outs, jaxpr.outvars)
+    ]

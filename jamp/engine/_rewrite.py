@@ -1,0 +1,146 @@
+"""`rewrite(fn, compute_dtype)`: a function's traced program evaluated again under a compute
+dtype, and `placing`, the sharded parameters' context it reads."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Callable, Optional, Sequence
+
+import jax
+import numpy as np
+
+from jamp import activations as act
+from jamp import mixed_ops
+from jamp.engine import _core
+from jamp.engine._core import ComputeFor, eval_jaxpr
+
+#: `(key_path, shape) -> (sharding, gathered) or None`: where a leaf of a weak argument (a
+#: model's variables) lives on a mesh, and where a matmul reads it (None: where XLA picks);
+#: `key_path` is the leaf's `jax.tree_util` key path within its argument.
+PlacementFor = Callable[
+    [tuple, tuple], Optional[tuple[jax.sharding.Sharding, Optional[jax.sharding.Sharding]]]
+]
+
+_PLACEMENT: contextvars.ContextVar[Optional[PlacementFor]] = contextvars.ContextVar(
+    "jamp_autocast_placement", default=None
+)
+
+
+@contextlib.contextmanager
+def placing(placement_for: PlacementFor):
+    """While a function is traced in this context, `autocast` treats the weak-argument leaves that
+    `placement_for` places as sharded parameters: each matmul casts them to the compute dtype on
+    their own shard and reads them gathered as `placement_for` says, so the gather moves 16-bit
+    values (once, for forward and backward), and hands their gradients back in the reduce dtype,
+    constrained to the same sharding (see `jamp.mixed_ops.Placed`).
+    Values are unchanged: shardings only say where they live. `jamp.sharding`'s steps set it."""
+    token = _PLACEMENT.set(placement_for)
+    try:
+        yield
+    finally:
+        _PLACEMENT.reset(token)
+
+
+def _inherit(eqn, inherited):
+    del eqn
+    return inherited
+
+
+def is_traceable(leaf) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+def rewrite(
+    fn: Callable,
+    compute_dtype,
+    compute_for: ComputeFor = _inherit,
+    *,
+    activations: str = "auto",
+    weak_argnums: Sequence[int] = (),
+    reduce_dtype=np.float32,
+    head_in_fp8: bool = False,
+) -> Callable:
+    """Return `fn` with its matmuls and convolutions run in `compute_dtype`.
+
+    Array arguments (and array leaves of pytree arguments) are traced; every other leaf (Python
+    numbers, strings, flags) is passed through unchanged, as a static value.
+
+    Args:
+      fn: any JAX-traceable function returning a pytree of arrays.
+      compute_dtype: dtype of matmul and convolution operands (None leaves them as traced);
+        `jamp.fp8.MATMUL_MARKER` (`float8_e4m3fn`) runs layer matmuls in fp8
+        (`jamp.fp8.dot_general`: E4M3 forward, E5M2 gradients) and everything else,
+        convolutions included, in bfloat16. A layer matmul is one with exactly one operand made
+        of the `weak_argnums` arguments alone (the weights): without `weak_argnums` no matmul is
+        fp8.
+      compute_for: optional per-equation choice of compute dtype (see the module docstring).
+      activations: where float32 values between operations live: "float32" (as traced),
+        "compute" (in a 16-bit compute dtype where `jamp.activations` allows) or "auto" (float32
+        on CPUs, compute elsewhere).
+      weak_argnums: positional arguments whose leaves are weak in the sense of
+        `jamp.activations` (a model's variables): combined with a 16-bit activation they take its
+        dtype instead of promoting it to float32.
+      reduce_dtype: the dtype that the gradient of a sharded parameter (see `placing`) leaves its
+        16-bit matmul in, and so is summed across devices in.
+      head_in_fp8: with `compute_dtype` `jamp.fp8.MATMUL_MARKER` (fp8 matmuls, bfloat16 between
+        them), whether the function's last matmul (a model's output head) is fp8 as well; by
+        default it runs in bfloat16.
+
+    Returns:
+      A function with `fn`'s signature and output dtypes.
+    """
+    compute_dtype = None if compute_dtype is None else np.dtype(compute_dtype)
+    reduce_dtype = np.dtype(reduce_dtype)
+    act.resolve(activations)  # a bad value fails here, not at the first call
+
+    def wrapped(*args, **kwargs):
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        traced = [is_traceable(leaf) for leaf in leaves]
+        weak_leaves = [False] * len(leaves)
+        placed_leaves: list[Optional[mixed_ops.Placed]] = [None] * len(leaves)
+        placement_for = _PLACEMENT.get()
+        offset = 0
+        for i, arg in enumerate(args):
+            flat = jax.tree_util.tree_flatten_with_path(arg)[0]
+            if i in weak_argnums:
+                weak_leaves[offset : offset + len(flat)] = [True] * len(flat)
+                if placement_for is not None:
+                    for j, (path, leaf) in enumerate(flat, offset):
+                        where = placement_for(tuple(path), tuple(np.shape(leaf)))
+                        if where is not None:
+                            lives, read = where
+                            placed_leaves[j] = mixed_ops.Placed(lives, reduce_dtype, read)
+            offset += len(flat)
+
+        def flat_fn(*arrays):
+            it = iter(arrays)
+            full = [next(it) if t else leaf for leaf, t in zip(leaves, traced)]
+            a, kw = jax.tree.unflatten(treedef, full)
+            return fn(*a, **kw)
+
+        arrays = [leaf for leaf, t in zip(leaves, traced) if t]
+        weak = [w for w, t in zip(weak_leaves, traced) if t]
+        placed = [p for p, t in zip(placed_leaves, traced) if t]
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
+        form = act.resolve(activations)
+        act.note(form, compute_dtype)
+        ctx = _core._Ctx(compute_for, form == "compute")
+        if not _core._changes(closed.jaxpr, compute_dtype, ctx):
+            # Nothing to rewrite (e.g. the float32 policy on a float32 model): run it as written,
+            # which is bit-identical also where re-evaluating the program eagerly would not be.
+            return fn(*args, **kwargs)
+        outs = eval_jaxpr(
+            closed.jaxpr,
+            closed.consts,
+            arrays,
+            compute_dtype,
+            compute_for,
+            activations=activations,
+            weak=weak,
+            placed=placed,
+            head_in_fp8=head_in_fp8,
+        )
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+    return wrapped
