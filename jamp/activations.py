@@ -163,6 +163,11 @@ def runs_in_fp32(primitive: str, compute_dtype) -> bool:
         return True
     # fp16 tops out at 65504: a square overflows from 256 on (an RMSNorm, a norm). bf16 has
     # float32's range, and squares there cost no more precision than any other bf16 operation.
+    return is_range_guard(primitive, compute_dtype)
+
+
+def is_range_guard(primitive: str, compute_dtype) -> bool:
+    """Whether the operation runs in float32 only for float16's range (a square, a power)."""
     return primitive in FP16_RANGE_PRIMITIVES and np.dtype(compute_dtype) == np.float16
 
 

@@ -296,6 +296,7 @@ def compile_for(
         files=files,
         mesh=mesh or _mesh_of(executable),
         activations=sorted(tracing.activations),
+        attention_traced=tracing.attention,
         compile_seconds=seconds,
     )
 

@@ -31,10 +31,13 @@ class Tracing:
       device: the `jax.Device` (or topology device) the program is compiled for.
       activations: the activation forms ("compute", "float32") that wrapped models resolved to
         while tracing under this record.
+      attention: per attention the engine recognised, (module path, how it runs: "cudnn",
+        "xla" or "unfused", why not cuDNN: "" where it is).
     """
 
     device: Any
     activations: set = dataclasses.field(default_factory=set)
+    attention: list = dataclasses.field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -48,7 +51,9 @@ def compiling_for(device) -> Iterator[Tracing]:
       tracing.activations                                # {"compute"}
     """
     outer = _TARGET.get()  # nested (a sharded step inside `jamp.compile_for`): note in both
-    record = Tracing(device) if outer is None else Tracing(device, outer.activations)
+    record = (
+        Tracing(device) if outer is None else Tracing(device, outer.activations, outer.attention)
+    )
     token = _TARGET.set(record)
     try:
         yield record

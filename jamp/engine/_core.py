@@ -13,6 +13,7 @@ from jax.extend import core as jcore
 
 from jamp import activations as act
 from jamp import fp8, jax_compat, mixed_ops
+from jamp.engine import _attention
 from jamp.engine import _values as V
 
 ComputeFor = Callable[[jcore.JaxprEqn, Optional[np.dtype]], Optional[np.dtype]]
@@ -51,6 +52,7 @@ class _Ctx:
     head: Optional[jcore.JaxprEqn] = None
     stateful: bool = True
     prefix: str = ""
+    fuse_attention: bool = True  # run recognised attention as one call (`jamp.attention`)
     sites: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
@@ -234,6 +236,15 @@ def _eval_remat(eqn, invals, weak, compute_dtype, ctx: _Ctx):
     return list(jax.checkpoint(body, prevent_cse=prevent_cse, policy=policy)(*invals))
 
 
+def _reads_variables(eqn, weak) -> bool:
+    """Whether an equation takes a weak float array that is a value, not a literal (a variable
+    or what is made of variables alone)."""
+    return any(
+        w and isinstance(v, jcore.Var) and v.aval.ndim and V.is_float_dtype(v.aval.dtype)
+        for w, v in zip(weak, eqn.invars)
+    )
+
+
 def _eval_lowered(eqn, invals, weak, compute_dtype, ctx: _Ctx, placed=None):
     """One equation where activations may be 16-bit; returns (outputs, whether each is weak)."""
     name = eqn.primitive.name
@@ -243,10 +254,30 @@ def _eval_lowered(eqn, invals, weak, compute_dtype, ctx: _Ctx, placed=None):
     squares = name == "mul" and eqn.invars[0] is eqn.invars[1]  # x * x, as in jnp.linalg.norm
     made_of_weights = [all_weak and fp8.is_fp8(compute_dtype)] * n_out  # see _eval_eqn
     if act.runs_in_fp32("square" if squares else name, compute_dtype):
-        return _eval_as_traced(eqn, invals, compute_dtype, ctx), made_of_weights
-    if lowered and name in ("jit", "pjit"):  # inlined, so that its 16-bit results stay 16-bit
+        outs = _eval_as_traced(eqn, invals, compute_dtype, ctx)
+        if act.is_range_guard("square" if squares else name, compute_dtype):
+            # A float16 square or power, computed in float32 where it cannot overflow, is weak:
+            # a float32 reduction of it stays float32 (a norm's variance), and where it meets a
+            # float16 activation (gelu's x + 0.044715 x^3) it is saturated into float16, so that
+            # the rest of the expression, and what its backward keeps, is float16 again.
+            return outs, [True] * n_out
+        return outs, made_of_weights
+    # Inlined, so that its 16-bit results stay 16-bit: one with 16-bit operands, or one that
+    # combines variables with data (`jnp.take` of an embedding table by token ids).
+    if name in ("jit", "pjit") and (lowered or (_reads_variables(eqn, weak) and not all_weak)):
         closed = jax_compat.param(eqn, "jaxpr")
         return _eval(closed.jaxpr, closed.consts, invals, compute_dtype, _within(ctx, eqn), weak)
+    if (
+        name == "gather"
+        and weak[0]
+        and not all_weak
+        and act.is_lowerable(eqn.outvars[0].aval.dtype)
+    ):
+        # An embedding: rows of a float32 table looked up by data. Its result is data, carried in
+        # the compute dtype as a 16-bit model's embedding (Flax `dtype=`, Keras) returns it; the
+        # lookup itself stays float32, so its gradient is summed into the table in float32.
+        outs = _eval_as_traced(eqn, invals, compute_dtype, ctx)
+        return [V.cast(o, fp8.carrier(compute_dtype)) for o in outs], [False] * n_out
     if name in act.POLYMORPHIC_PRIMITIVES:
         return _eval_polymorphic(eqn, invals, weak), [all_weak] * n_out
     if name == "convert_element_type":
@@ -288,6 +319,44 @@ def _eval_eqn(eqn, invals, weak, compute_dtype, ctx: _Ctx, placed=None):
     return outs, [poly and all(weak)] * len(outs)
 
 
+def _fuser(jaxpr, consts, ctx: _Ctx, dtype_for, evaluate) -> Optional[_attention.Fuser]:
+    """The attention recogniser of this program, if attention may be fused in it."""
+    if not ctx.fuse_attention:
+        return None
+    fuser = _attention.Fuser(
+        jaxpr,
+        consts,
+        _attention.Engine(
+            lambda eqn, invals: evaluate(eqn, invals)[0],
+            lambda eqn: _attention_dtype(dtype_for(eqn)),
+            lambda eqn, dtype: _matmul_out_dtype(eqn, dtype, ctx),
+        ),
+        lambda eqn: _module_path(ctx.prefix, eqn),
+    )
+    return fuser if fuser.first else None
+
+
+def _module_path(prefix: str, eqn) -> str:
+    """An equation's name-scope path without `jnp.einsum`'s own scope (its spec)."""
+    parts = "/".join(s for s in (prefix, str(eqn.source_info.name_stack)) if s).split("/")
+    return "/".join(p for p in parts if p and "->" not in p)
+
+
+def _attention_dtype(dtype):
+    """Attention's matmuls take two activations: under fp8 they run in the carrier dtype."""
+    return None if dtype is None else fp8.carrier(dtype)
+
+
+def _eval_attention(fuser, eqn, invals, weak) -> Optional[list]:
+    """`eqn` as a step of an attention being recognised, or None to evaluate it as usual."""
+    if any(isinstance(x, _attention.Sym) for x in invals):
+        with jax.named_scope(str(eqn.source_info.name_stack) or "_"):
+            return fuser.step(eqn, invals)
+    if eqn.primitive is V.DOT:
+        return fuser.start(eqn, invals, weak)
+    return None
+
+
 def _eval(
     jaxpr,
     consts,
@@ -316,30 +385,43 @@ def _eval(
     weak_env.update((v, True) for v in jaxpr.constvars)
     env.update(zip(jaxpr.invars, args))
     weak_env.update(zip(jaxpr.invars, weak if weak is not None else [False] * len(args)))
-    for eqn in jaxpr.eqns:
+
+    def dtype_for(eqn):
         # Under fp8 the output head inherits the carrier dtype; an override still decides it.
         inherited = fp8.carrier(compute_dtype) if eqn is ctx.head else compute_dtype
-        eqn_dtype = _choose(ctx, eqn, inherited)
+        return _choose(ctx, eqn, inherited)
+
+    def evaluate(eqn, invals, where=None):
         # Keep the module path of each operation, for profiles and for anyone reading the program.
+        with jax.named_scope(str(eqn.source_info.name_stack) or "_"):
+            weak_in = [is_weak(v) for v in eqn.invars]
+            return _eval_eqn(eqn, invals, weak_in, dtype_for(eqn), ctx, where)
+
+    fuser = _fuser(jaxpr, consts, ctx, dtype_for, evaluate)
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if fuser is not None:
+            outs = _eval_attention(fuser, eqn, invals, [is_weak(v) for v in eqn.invars])
+            if outs is not None:
+                env.update(zip(eqn.outvars, outs))
+                weak_env.update((v, False) for v in eqn.outvars)
+                continue
+            invals = [_attention.real(x) for x in invals]
         where = None
         if place_env:
             where = [place_env.get(v) if isinstance(v, jcore.Var) else None for v in eqn.invars]
             followed = V.follow_placement(eqn, where)
             if followed is not None:
                 place_env[eqn.outvars[0]] = followed
-        with jax.named_scope(str(eqn.source_info.name_stack) or "_"):
-            outs, outs_weak = _eval_eqn(
-                eqn,
-                [read(v) for v in eqn.invars],
-                [is_weak(v) for v in eqn.invars],
-                eqn_dtype,
-                ctx,
-                where,
-            )
+        outs, outs_weak = evaluate(eqn, invals, where)
         for var, val, w in zip(eqn.outvars, outs, outs_weak):
             if not isinstance(var, jcore.DropVar):
                 env[var] = val
                 weak_env[var] = w
+    if fuser is not None:
+        return [_attention.real(read(v)) for v in jaxpr.outvars], [
+            is_weak(v) for v in jaxpr.outvars
+        ]
     return [read(v) for v in jaxpr.outvars], [is_weak(v) for v in jaxpr.outvars]
 
 
@@ -354,6 +436,7 @@ def eval_jaxpr(
     weak: Optional[Sequence[bool]] = None,
     placed: Optional[Sequence[Optional[mixed_ops.Placed]]] = None,
     head_in_fp8: bool = False,
+    fuse_attention: bool = True,
 ):
     """Evaluate `jaxpr` on `args`, with matmuls in the dtype that `compute_for` picks per equation.
 
@@ -369,6 +452,9 @@ def eval_jaxpr(
       weak: per argument, whether it takes the dtype of what it is combined with (e.g. the
         model's variables); see `jamp.activations`.
       placed: per argument, a `jamp.mixed_ops.Placed` (a sharded parameter) or None.
+      fuse_attention: run each attention recognised in the program (softmax(q k^T) v, see
+        `jamp.engine._attention`) under a 16-bit compute dtype as one call (`jamp.attention`):
+        cuDNN's fused kernel on NVIDIA GPUs.
       head_in_fp8: under fp8 matmuls (`jamp.fp8.MATMUL_MARKER`), whether the program's last
         matmul (a model's output head) is fp8 too; by default it inherits bfloat16.
 
@@ -378,7 +464,7 @@ def eval_jaxpr(
     head = None if head_in_fp8 else V.last_dot(jaxpr)
     form = act.resolve(activations)
     act.note(form, compute_dtype)
-    ctx = _Ctx(compute_for, form == "compute", head)
+    ctx = _Ctx(compute_for, form == "compute", head, fuse_attention=fuse_attention)
     outs, _ = _eval(jaxpr, consts, args, compute_dtype, ctx, weak, placed)
     # A literal output (e.g. a constant returned by an inlined jit) comes back as an array.
     return [

@@ -60,6 +60,7 @@ def rewrite(
     weak_argnums: Sequence[int] = (),
     reduce_dtype=np.float32,
     head_in_fp8: bool = False,
+    fuse_attention: bool = True,
 ) -> Callable:
     """Return `fn` with its matmuls and convolutions run in `compute_dtype`.
 
@@ -83,6 +84,9 @@ def rewrite(
         dtype instead of promoting it to float32.
       reduce_dtype: the dtype that the gradient of a sharded parameter (see `placing`) leaves its
         16-bit matmul in, and so is summed across devices in.
+      fuse_attention: under a 16-bit compute dtype, run each attention recognised in the
+        program as one call in that dtype (cuDNN's fused kernel on NVIDIA GPUs, the same
+        computation written out elsewhere); False leaves attention as traced.
       head_in_fp8: with `compute_dtype` `jamp.fp8.MATMUL_MARKER` (fp8 matmuls, bfloat16 between
         them), whether the function's last matmul (a model's output head) is fp8 as well; by
         default it runs in bfloat16.
@@ -140,6 +144,7 @@ def rewrite(
             weak=weak,
             placed=placed,
             head_in_fp8=head_in_fp8,
+            fuse_attention=fuse_attention,
         )
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 

@@ -108,6 +108,9 @@ class CompileReport:
     attention: tuple[Attention, ...]
     collectives: tuple[CollectiveGroup, ...]
     hlo_text: str = dataclasses.field(repr=False, default="")
+    # What jamp's engine recognised as attention while tracing, per call: (module path, how it
+    # runs: "cudnn", "xla" (written out) or "unfused" (as traced), why not cuDNN).
+    attention_traced: tuple[tuple[str, str, str], ...] = ()
 
     def usable_bytes(self, fraction: Optional[float] = None) -> int:
         """Bytes a step may plan for per device: `fraction` (default
@@ -231,6 +234,7 @@ def _table_lines(r: CompileReport) -> list[str]:
             f"  {len(paths)} x {'fused' if is_fused else 'unfused'} ({forward} forward / "
             f"{backward} backward {how} each): {shown}{more}"
         )
+    lines.extend(_traced_attention_lines(r))
     lines.append("collectives per step (result bytes per device):")
     if not r.collectives:
         lines.append("  none")
@@ -240,6 +244,21 @@ def _table_lines(r: CompileReport) -> list[str]:
         lines.append(
             f"  {c.kind:<18} {c.dtype:<9} over {over:<12} x{c.count:<5} {_size(c.nbytes):>12}{feeds}"
         )
+    return lines
+
+
+def _traced_attention_lines(r: CompileReport) -> list[str]:
+    """What the engine decided per attention it recognised, grouped by decision and reason."""
+    if not r.attention_traced:
+        return []
+    groups: dict[tuple[str, str], list[str]] = {}
+    for path, how, why in r.attention_traced:
+        groups.setdefault((how, why), []).append(path)
+    names = {"cudnn": "cuDNN fused", "xla": "written out", "unfused": "left as traced"}
+    lines = [f"  recognised by jamp while tracing: {len(r.attention_traced)}"]
+    for (how, why), paths in sorted(groups.items()):
+        shown = ", ".join(sorted(set(paths), key=_natural)[:2])
+        lines.append(f"    {len(paths)} {names.get(how, how)}{f' ({why})' if why else ''}: {shown}")
     return lines
 
 
@@ -313,7 +332,7 @@ DUMPS = ("buffer-assignment.txt", "live-range.txt")
 
 
 def build_report(
-    *, target, devices, executable, files, mesh, activations, compile_seconds
+    *, target, devices, executable, files, mesh, activations, compile_seconds, attention_traced=()
 ) -> CompileReport:
     """The report of one compiled program (see `jamp.compile_for`)."""
     missing = [d for d in DUMPS if not any(n.endswith(d) for n in files)]
@@ -354,4 +373,5 @@ def build_report(
         attention=tuple(_attention(program, found)),
         collectives=tuple(_collective_groups(program, mesh)),
         hlo_text=text,
+        attention_traced=tuple(tuple(a) for a in attention_traced),
     )
