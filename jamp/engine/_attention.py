@@ -159,8 +159,9 @@ class Sym:
     of exp over the softmax axis, `kept` whether that axis is still there with size 1),
     "shifted" (logits - max), "exp", "probs" (the softmax), "bcast" (a side value broadcast
     lazily: `value` into `shape` along `dims`).
-    `perm[i]` is the first matmul's output axis that axis i is; `axis` the softmax axis (an
-    output axis of the first matmul); `src` the value a reduction or a step came from.
+    `perm[i]` is the tuple of the first matmul's output axes that axis i is made of (one, or
+    several merged by a reshape, in order); `axis` the softmax axis (an output axis of the first
+    matmul); `src` the value a reduction or a step came from.
     `replay()` computes the value as traced (memoised), for any use that is not attention.
     """
 
@@ -194,13 +195,51 @@ def _small(x):
     return jnp.asarray(x)
 
 
-def _in_layout(x, sym: Sym):
+def _in_layout(x, sym: Sym, xp=jnp):
     """A side value combined with `sym` (same rank or a scalar) in the first matmul's output
-    layout: transposed back from `sym`'s layout."""
-    x = _small(x)
+    layout: its merged axes split, transposed back from `sym`'s layout; None if it cannot be
+    (a side value that varies within a merged axis in another way)."""
+    x = _small(x) if xp is jnp else np.asarray(x)
     if x.ndim == 0:
-        return x.reshape((1,) * len(sym.perm))
-    return jnp.transpose(x, tuple(int(i) for i in np.argsort(sym.perm)))
+        return x.reshape((1,) * len(sym.attn.first.outvars[0].aval.shape))
+    full = sym.attn.first.outvars[0].aval.shape
+    shape = []
+    for size, group in zip(x.shape, sym.perm):
+        if size == 1:
+            shape += [1] * len(group)
+        elif size == int(np.prod([full[a] for a in group])):
+            shape += [full[a] for a in group]
+        else:
+            return None
+    order = [a for group in sym.perm for a in group]
+    return xp.transpose(x.reshape(shape), tuple(int(i) for i in np.argsort(order)))
+
+
+def _one(sym: Sym, i: int) -> Optional[int]:
+    """The first matmul's output axis that axis i of `sym` is, if it is one axis."""
+    group = sym.perm[i]
+    return group[0] if len(group) == 1 else None
+
+
+def _regroup(sym: Sym, shape) -> Optional[tuple]:
+    """The layout of `sym` reshaped to `shape`, if the reshape only merges or splits its axes
+    along the first matmul's output axes (a reshape of heads into groups and back)."""
+    full = sym.attn.first.outvars[0].aval.shape
+    atoms = [a for group in sym.perm for a in group]
+    groups, at = [], 0
+    for size in shape:
+        group, n = [], 1
+        while n < size and at < len(atoms):
+            group.append(atoms[at])
+            n *= full[atoms[at]]
+            at += 1
+        while at < len(atoms) and full[atoms[at]] == 1 and n == size and size != 1:
+            group.append(atoms[at])  # a size-1 axis rides along with its neighbour
+            at += 1
+        if n != size:
+            return None
+        groups.append(tuple(group))
+    return tuple(groups) if at == len(atoms) else None
 
 
 def _concrete_of(x, atom, scope: Optional[Scope]):
@@ -229,12 +268,9 @@ def _concrete_in_layout(x, atom, scope, sym: Sym) -> Optional[np.ndarray]:
     if c is None:
         return None
     if isinstance(x, Sym):  # the source of a lazy broadcast: placed as `_small` places it
-        c = c.reshape(
-            [np.shape(x.value)[x.dims.index(i)] if i in x.dims else 1 for i in range(len(x.shape))]
-        )
-    if c.ndim == 0:
-        return c.reshape((1,) * len(sym.perm))
-    return np.transpose(c, np.argsort(sym.perm))
+        src = np.shape(x.value)
+        c = c.reshape([src[x.dims.index(i)] if i in x.dims else 1 for i in range(len(x.shape))])
+    return _in_layout(c, sym, np)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,9 +350,8 @@ def logits_rule(eqn, vals, atoms, scope) -> Optional[list]:
         return None
     if name == "convert_element_type" or name == "copy" or name == "copy_p":
         return [_like(sym)]
-    if name == "transpose":
-        perm = jax_compat.param(eqn, "permutation")
-        return [_like(sym, perm=tuple(sym.perm[p] for p in perm), shape=eqn.outvars[0].aval.shape)]
+    if name in ("transpose", "reshape"):
+        return _relaid(sym, eqn)
     if name in ("mul", "div") and len(others) == 1:
         if name == "div" and i != 0:
             return None
@@ -329,7 +364,10 @@ def logits_rule(eqn, vals, atoms, scope) -> Optional[list]:
     if name in ("add", "add_any", "sub") and len(others) == 1:
         if name == "sub" and i != 0:
             return None
-        side = _in_layout(others[0][0], sym).astype(np.float32)
+        side = _in_layout(others[0][0], sym)
+        if side is None:
+            return None
+        side = side.astype(np.float32)
         side = -side if name == "sub" else side
         attn.bias = side if attn.bias is None else attn.bias + side
         return [_like(sym)]
@@ -346,6 +384,8 @@ def logits_rule(eqn, vals, atoms, scope) -> Optional[list]:
         if not isinstance(value, float) or not value <= _MASKED:
             return None
         keep = _in_layout(pred, sym)
+        if keep is None:
+            return None
         known = _concrete_in_layout(pred, pred_atom, scope, sym)
         if i == 1:  # select_n picks case 0 where the predicate is False: the logits are kept there
             keep = jnp.logical_not(keep)
@@ -356,16 +396,29 @@ def logits_rule(eqn, vals, atoms, scope) -> Optional[list]:
         (axis,) = (
             jax_compat.param(eqn, "axes") if len(jax_compat.param(eqn, "axes")) == 1 else (None,)
         )
-        if axis is None or not _softmax_axis(attn, sym.perm[axis]):
+        first_axis = None if axis is None else _one(sym, axis)
+        if first_axis is None or not _softmax_axis(attn, first_axis):
             return None
-        return [Sym("max", eqn.outvars[0].aval.shape, attn, sym.perm, sym.perm[axis], src=orig)]
+        return [Sym("max", eqn.outvars[0].aval.shape, attn, sym.perm, first_axis, src=orig)]
     return None
+
+
+def _relaid(sym: Sym, eqn) -> Optional[list]:
+    """A transpose or reshape of the scores or the weights: the same values, laid out anew."""
+    shape = tuple(eqn.outvars[0].aval.shape)
+    if eqn.primitive.name == "transpose":
+        perm = jax_compat.param(eqn, "permutation")
+        return [_like(sym, perm=tuple(sym.perm[p] for p in perm), shape=shape)]
+    if jax_compat.param(eqn, "dimensions") is not None:
+        return None
+    groups = _regroup(sym, shape)
+    return None if groups is None else [_like(sym, perm=groups, shape=shape)]
 
 
 def _kept_axis(sym: Sym, eqn) -> bool:
     """Whether `eqn` (a broadcast or reshape of a reduction) puts the reduced axis back."""
     src = sym.src
-    where = src.perm.index(sym.axis)
+    where = src.perm.index((sym.axis,))
     out = tuple(eqn.outvars[0].aval.shape)
     want = src.shape[:where] + (1,) + src.shape[where + 1 :]
     full = tuple(src.shape)
@@ -394,7 +447,7 @@ def softmax_rule(eqn, vals, atoms, scope) -> Optional[list]:
         return [_like(sym, kind="exp")]
     if sym.kind == "exp" and name == "reduce_sum":
         axes = tuple(jax_compat.param(eqn, "axes"))
-        if axes != (sym.perm.index(sym.axis),):
+        if axes != (sym.perm.index((sym.axis,)),):
             return None
         return [Sym("sum", eqn.outvars[0].aval.shape, sym.attn, sym.perm, sym.axis, src=sym)]
     if name == "div" and len(syms) == 2 and vals[0].kind == "exp" and vals[1].kind == "sum":
@@ -402,9 +455,8 @@ def softmax_rule(eqn, vals, atoms, scope) -> Optional[list]:
             return [_like(vals[0], kind="probs")]
     if sym.kind == "probs" and name in ("convert_element_type", "copy"):
         return [_like(sym)]
-    if sym.kind == "probs" and name == "transpose":
-        perm = jax_compat.param(eqn, "permutation")
-        return [_like(sym, perm=tuple(sym.perm[p] for p in perm), shape=eqn.outvars[0].aval.shape)]
+    if sym.kind == "probs" and name in ("transpose", "reshape"):
+        return _relaid(sym, eqn)
     return None
 
 
@@ -486,16 +538,19 @@ def fuse(eqn, vals, engine: Engine, where: str) -> Optional[list]:
         if ql
         else [("s", 0)] + [("q", j) for j in range(nq)]
     )
-    if len(p_c) != 1 or roles[p.perm[p_c[0]]] != ("s", 0) or len(p_b) != nb:
+    if any(len(g) != 1 for g in p.perm):  # an axis of the weights still merged
+        return None
+    one = [g[0] for g in p.perm]
+    if len(p_c) != 1 or roles[one[p_c[0]]] != ("s", 0) or len(p_b) != nb:
         return None
     v_batch = [None] * nb
     for pa, va in zip(p_b, v_b):
-        role = roles[p.perm[pa]]
+        role = roles[one[pa]]
         if role[0] != "b" or v_batch[role[1]] is not None:
             return None
         v_batch[role[1]] = va
     p_free = [a for a in range(len(p.shape)) if a not in p_c and a not in p_b]
-    if sorted(roles[p.perm[a]] for a in p_free) != [("q", j) for j in range(nq)] or nq == 0:
+    if sorted(roles[one[a]] for a in p_free) != [("q", j) for j in range(nq)] or nq == 0:
         return None
     v_f = [a for a in range(np.ndim(v)) if a not in v_c and a not in v_b]
     if attn.q_factor is not None:
@@ -540,8 +595,8 @@ def fuse(eqn, vals, engine: Engine, where: str) -> Optional[list]:
     have += [("v", j) for j in range(len(v_f))]
     if not nb:
         out, have = out[0], have[1:]
-    want = [roles[p.perm[a]] for a in p_b]
-    p_side = [roles[p.perm[a]] for a in p_free]
+    want = [roles[one[a]] for a in p_b]
+    p_side = [roles[one[a]] for a in p_free]
     v_side = [("v", j) for j in range(len(v_f))]
     want += p_side + v_side if i == 0 else v_side + p_side
     out = jnp.transpose(out, [have.index(r) for r in want])
@@ -594,7 +649,7 @@ class Fuser:
         attn = Attn(eqn, invals[0], invals[1], None, dtype)
         shape = tuple(eqn.outvars[0].aval.shape)
         replay = _once(lambda: self.engine.evaluate(eqn, list(invals))[0])
-        return [Sym("logits", shape, attn, tuple(range(len(shape))), replay=replay)]
+        return [Sym("logits", shape, attn, tuple((a,) for a in range(len(shape))), replay=replay)]
 
     def step(self, eqn, invals) -> Optional[list]:
         """An equation with symbolic operands: its symbolic results, or None (then its operands

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -45,6 +46,31 @@ def placing(placement_for: PlacementFor):
 def _inherit(eqn, inherited):
     del eqn
     return inherited
+
+
+@contextlib.contextmanager
+def _cudnn_attention_traced_in_xla_form(compute_dtype, fuse_attention: bool):
+    """While a model is traced for a 16-bit policy, `jax.nn.dot_product_attention` asked for
+    cuDNN on float32 values (which cuDNN refuses: the values become 16-bit only under the
+    policy) is traced in its XLA form, which the engine recognises and runs fused again, in the
+    compute dtype. (A model that imported the function by name before is not reached.)"""
+    del fuse_attention  # (unfused, the XLA form runs as traced, in the policy's dtypes)
+    if compute_dtype is None or compute_dtype.itemsize >= 4:
+        yield
+        return
+    original = jax.nn.dot_product_attention
+
+    @functools.wraps(original)
+    def traced(query, key, value, *args, implementation=None, **kwargs):
+        if implementation == "cudnn" and np.dtype(query.dtype).itemsize >= 4:
+            implementation = None
+        return original(query, key, value, *args, implementation=implementation, **kwargs)
+
+    jax.nn.dot_product_attention = traced
+    try:
+        yield
+    finally:
+        jax.nn.dot_product_attention = original
 
 
 def is_traceable(leaf) -> bool:
@@ -126,7 +152,8 @@ def rewrite(
         arrays = [leaf for leaf, t in zip(leaves, traced) if t]
         weak = [w for w, t in zip(weak_leaves, traced) if t]
         placed = [p for p, t in zip(placed_leaves, traced) if t]
-        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
+        with _cudnn_attention_traced_in_xla_form(compute_dtype, fuse_attention):
+            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
         form = act.resolve(activations)
         act.note(form, compute_dtype)
         ctx = _core._Ctx(compute_for, form == "compute")

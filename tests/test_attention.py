@@ -1,0 +1,168 @@
+"""Attention under a 16-bit policy: recognised in the traced program and run as one call.
+
+On this CPU the call is the written-out form (`jamp.attention`), so each test compares it with
+the program as traced (the engine with `fuse_attention=False`): the recognition (layouts, scale,
+biases, masks, grouped heads) is what is checked here; that the call is cuDNN's fused kernel on
+an NVIDIA GPU is checked on the H200 program (tests/test_target.py).
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jamp
+from jamp import attention, traced_for
+from jamp.engine import rewrite
+from jamp.models import TransformerLM
+
+BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
+B, T, N, H = 2, 16, 4, 8
+_keys = jax.random.split(jax.random.key(0), 3)
+Q, K, V = (jax.random.normal(k, (B, T, N, H)) for k in _keys)
+CAUSAL = nn.make_causal_mask(jnp.ones((B, T)))
+LENGTHS = jnp.array([T, T - 5])
+
+
+def _padding_bias():
+    keep = jnp.arange(T)[None, :] < LENGTHS[:, None]  # data: which keys are padding
+    fill = jnp.full((B, 1, 1, T), jnp.finfo(jnp.float32).min)
+    return jax.lax.select(keep[:, None, None, :], jnp.zeros((B, 1, 1, T)), fill)
+
+
+def _hand_written(q, k, v):
+    """Llama-style: einsum, a Python-float scale, an iota causal mask, jax.nn.softmax."""
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * H**-0.5
+    pos = jnp.arange(T)
+    scores = jnp.where(pos[:, None] >= pos[None, :], scores, jnp.finfo(scores.dtype).min)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def _grouped_reshaped(q, k, v):
+    """Tunix's Llama 3: q heads grouped per kv head, the scores reshaped to heads and back."""
+    kv = 2
+    qg = q.reshape(B, T, kv, N // kv, H)
+    k, v = k[:, :, :kv], v[:, :, :kv]
+    scores = jnp.einsum("BTHGD,BSHD->BHGTS", qg, k) * H**-0.5
+    scores = scores.reshape(B, N, T, T)
+    scores = jnp.where(CAUSAL, scores, -2.3819763e38)
+    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).reshape(B, kv, N // kv, T, T)
+    return jnp.einsum("BHGTS,BSHD->BTHGD", probs, v).reshape(B, T, N, H)
+
+
+FORMS = {
+    "linen causal mask": lambda q, k, v: nn.dot_product_attention(q, k, v, mask=CAUSAL),
+    "linen padding bias": lambda q, k, v: nn.dot_product_attention(q, k, v, bias=_padding_bias()),
+    "nnx is_causal": lambda q, k, v: nnx.dot_product_attention(q, k, v, is_causal=True),
+    "jax.nn grouped causal": lambda q, k, v: jax.nn.dot_product_attention(
+        q, k[:, :, :2], v[:, :, :2], is_causal=True
+    ),
+    "jax.nn cudnn asked, traced in fp32": lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, mask=CAUSAL.astype(bool), implementation="cudnn"
+    ),
+    "hand-written": _hand_written,
+    "grouped heads reshaped": _grouped_reshaped,
+}
+
+
+def _run(fn, compute, fuse=True):
+    return rewrite(fn, compute, activations="float32", fuse_attention=fuse)
+
+
+@pytest.mark.parametrize("compute", [BF16, F16])
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_attention_forms_fuse_and_match_the_form_as_traced(form, compute):
+    fn = FORMS[form]
+    with traced_for.compiling_for(jax.devices()[0]) as record:
+        fused = _run(fn, compute)(Q, K, V)
+    assert [how for _, how, _ in record.attention] == ["xla"], record.attention
+    assert "not an NVIDIA GPU" in record.attention[0][2]
+    traced = _run(fn, compute, fuse=False)(Q, K, V)
+    # (cuDNN refuses float32 values: that form's float32 reference is JAX's XLA form.)
+    if "cudnn" in form:
+        ref = jax.nn.dot_product_attention(Q, K, V, mask=CAUSAL.astype(bool))
+    else:
+        ref = fn(Q, K, V)
+    assert fused.dtype == ref.dtype == F32
+    # Within a 16-bit rounding of the form as traced, both near float32.
+    np.testing.assert_allclose(fused, traced, atol=3e-2, rtol=0)
+    np.testing.assert_allclose(fused, ref, atol=3e-2, rtol=0)
+
+    def grads(f):
+        return jax.grad(lambda *a: jnp.sum(f(*a) * ref), argnums=(0, 1, 2))(Q, K, V)
+
+    for got, want in zip(grads(_run(fn, compute)), grads(_run(fn, compute, fuse=False))):
+        err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+        assert err < 2e-2, (form, err)
+
+
+def test_attention_reads_constant_causal_masks_as_causal_and_keeps_data_masks(monkeypatch):
+    calls = []
+    original = attention.attend
+
+    def spy(q, k, v, **kw):
+        calls.append(kw)
+        return original(q, k, v, **kw)
+
+    monkeypatch.setattr(attention, "attend", spy)
+    _run(FORMS["linen causal mask"], BF16)(Q, K, V)
+    _run(FORMS["hand-written"], BF16)(Q, K, V)
+    assert [(c["causal"], c["mask"], c["bias"]) for c in calls] == [(True, None, None)] * 2
+    calls.clear()
+    _run(FORMS["linen padding bias"], BF16)(Q, K, V)
+    (call,) = calls
+    assert not call["causal"] and call["mask"] is None
+    assert call["bias"].shape == (B, 1, 1, T)  # small: broadcast over heads and queries
+    calls.clear()
+    data_mask = jnp.arange(T)[None, None, None, :] < LENGTHS[:, None, None, None]
+    _run(lambda q, k, v, m: nn.dot_product_attention(q, k, v, mask=m), BF16)(Q, K, V, data_mask)
+    (call,) = calls
+    assert not call["causal"] and call["mask"].shape == (B, 1, 1, T)
+    assert call["scale"] == 1.0  # Flax scales the queries itself
+
+
+def test_attention_dropout_stays_as_traced_and_says_why():
+    def with_dropout(q, k, v):
+        return nn.dot_product_attention(
+            q, k, v, dropout_rng=jax.random.key(1), dropout_rate=0.1, deterministic=False
+        )
+
+    with traced_for.compiling_for(jax.devices()[0]) as record:
+        got = _run(with_dropout, BF16)(Q, K, V)
+    ((_, how, why),) = record.attention
+    assert how == "unfused" and "mul" in why and "attention weights" in why
+    np.testing.assert_allclose(got, _run(with_dropout, BF16, fuse=False)(Q, K, V), atol=1e-6)
+
+
+def test_attention_kept_in_float32_by_an_override_stays_float32_and_unfused():
+    model = TransformerLM(vocab_size=32, num_layers=1, d_model=32, num_heads=2, mlp_dim=64)
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    variables = model.init(jax.random.key(0), tokens)
+    override = {nn.MultiHeadDotProductAttention: "float32"}
+    with traced_for.compiling_for(jax.devices()[0]) as record:
+        wrapped = jamp.wrap(model, "mixed_bfloat16", override, activations="compute")
+        jaxpr = jax.make_jaxpr(lambda v: wrapped.apply(v, tokens))(variables).jaxpr
+    assert record.attention == []
+    batched = [
+        e
+        for e in jaxpr.eqns
+        if e.primitive.name == "dot_general" and jax.tree.leaves(e.params["dimension_numbers"][1])
+    ]
+    assert batched and all(e.invars[0].aval.dtype == F32 for e in batched)
+    # Without the override the same attention is one call.
+    with traced_for.compiling_for(jax.devices()[0]) as record:
+        jamp.wrap(model, "mixed_bfloat16", activations="compute").apply(variables, tokens)
+    assert [how for _, how, _ in record.attention] == ["xla"]
+    assert record.attention[0][0].endswith("DecoderBlock_0/MultiHeadDotProductAttention_0")
+
+
+def test_attend_written_out_matches_jax_reference():
+    q, k, v = (x.astype(BF16) for x in (Q, K[:, :, :2], V[:, :, :2]))
+    out, how, _ = attention.attend(q, k, v, scale=0.3, causal=True, compute_dtype=BF16)
+    want = jax.nn.dot_product_attention(
+        q.astype(F32), k.astype(F32), v.astype(F32), scale=0.3, is_causal=True
+    )
+    assert how == "xla" and out.dtype == BF16 and out.shape == (B, T, N, H)
+    np.testing.assert_allclose(out.astype(F32), want, atol=3e-2)
