@@ -175,10 +175,17 @@ def test_compile_for_every_matmul_and_convolution_in_the_compute_dtype(five):
     assert (report.fp32_gemms() == []) == (policy != "float32")
     if policy != "float32":  # "auto" resolved for the GPU target: 16-bit activations
         assert report.activations == ("compute",)
-    # Flax's attention in the LM: batched GEMMs and a softmax, not cuDNN's fused kernel.
+    # Flax's attention in the LM: under a 16-bit policy cuDNN's fused kernel, forward and
+    # backward, as jamp recognised it while tracing; under float32 batched GEMMs and a softmax.
     (attention,) = report.attention
     assert attention.path == "DecoderBlock_0/MultiHeadDotProductAttention_0"
-    assert not attention.fused and attention.forward == 2 and attention.backward >= 2
+    if policy == "float32":
+        assert not attention.fused and attention.forward == 2 and attention.backward >= 2
+        assert report.attention_traced == ()
+    else:
+        assert attention.fused and (attention.forward, attention.backward) == (1, 1)
+        ((path, how, why),) = report.attention_traced
+        assert path.endswith(attention.path) and (how, why) == ("cudnn", "")
 
 
 @needs_plugin
@@ -263,11 +270,19 @@ def test_compile_for_fp8_sites_run_cublaslt_fp8_gemms_forward_and_backward():
     forward = {p for p in fp8_sites if False in {b for _, b in by_site[p]}}
     assert dense | {attn + "/out"} <= forward
     assert any(p.startswith(attn + "/") and p != attn + "/out" for p in forward)
-    # What the policy keeps bf16: attention's batched matmuls and the (tied) output head.
+    # What the policy keeps bf16: the (tied) output head's GEMMs, and attention's two matmuls
+    # of activations, which run as cuDNN's fused kernel in bf16 (no batched GEMMs left).
     others = [(p, g) for p, gs in by_site.items() if p not in fp8_sites for g, _ in gs]
     assert others and all(g.operands == ("bf16", "bf16") for _, g in others)
-    assert {p for p, g in others if not g.batched} == {"Embed_0"}
-    assert {p for p, g in others if g.batched} == {attn}
+    assert {p for p, g in others} == {"Embed_0"} and not any(g.batched for _, g in others)
+    ((path, how, _),) = report.attention_traced
+    assert path.endswith(attn) and how == "cudnn"
+    assert [(a.path, a.fused) for a in report.attention] == [(attn, True)]
+    assert "bf16[" in next(
+        line
+        for line in report.hlo_text.splitlines()
+        if "__cudnn$fmha" in line and "custom-call(" in line
+    )
 
 
 # ----- FSDP on 8 H200s: what crosses the wire

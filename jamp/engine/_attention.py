@@ -18,6 +18,7 @@ mask type instead of a [T, S] array.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Optional
 
@@ -121,14 +122,22 @@ class Scope:
         if any(x is None for x in ins):
             return None
         try:
-            # On the host's CPU: the program may be traced for devices that are not here.
-            with jax.default_device(jax.devices("cpu")[0]), jax.ensure_compile_time_eval():
+            with _on_host(), jax.ensure_compile_time_eval():
                 outs = V.bind(eqn, ins, eqn.params)
         except Exception:  # anything that cannot run eagerly is simply not a constant
             return None
         for o, val in zip(eqn.outvars, outs):
             self.memo[o] = np.asarray(val)
         return self.memo[atom]
+
+
+def _on_host():
+    """Eager evaluation on the host's CPU, where there is one: the program may be traced for
+    devices that are not here (a GPU target compiled on a CPU)."""
+    try:
+        return jax.default_device(jax.devices("cpu")[0])
+    except RuntimeError:  # no CPU backend (JAX_PLATFORMS without cpu): the default device
+        return contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,7 +157,6 @@ class Attn:
     q_factor: Any = None  # a traced scalar folded into q (a scale that is not a constant)
     bias: Any = None
     masks: list = dataclasses.field(default_factory=list)  # (keep: array, constant or None)
-    masked_then_scaled: bool = False
 
 
 @dataclasses.dataclass(eq=False)
