@@ -1,0 +1,344 @@
+"""The symbolic values attention is made of and the rules that step them through one operation
+each (see `jamp.engine._attention`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from jamp import jax_compat
+from jamp.engine._attention_scope import Scope
+
+#: A fill at or below this is a mask (its exponential is 0 in float32 beside any real logit).
+_MASKED = -1e4
+
+
+# ---------------------------------------------------------------------------------------------
+# The symbolic values.
+
+
+@dataclasses.dataclass(eq=False)
+class Attn:
+    """What one attention is made of so far (arrays in the first matmul's output layout)."""
+
+    first: Any  # the first dot_general equation
+    q: Any
+    k: Any
+    q_is_lhs: Optional[bool]  # which operand holds the queries: known once the softmax axis is
+    compute_dtype: np.dtype
+    scale: float = 1.0
+    q_factor: Any = None  # a traced scalar folded into q (a scale that is not a constant)
+    bias: Any = None
+    masks: list = dataclasses.field(default_factory=list)  # (keep: array, constant or None)
+
+
+@dataclasses.dataclass(eq=False)
+class Sym:
+    """A value that attention is made of, not computed yet.
+
+    kind: "logits" (the scores, scaled, biased, masked), "max" / "sum" (a reduction of logits /
+    of exp over the softmax axis, `kept` whether that axis is still there with size 1),
+    "shifted" (logits - max), "exp", "probs" (the softmax), "bcast" (a side value broadcast
+    lazily: `value` into `shape` along `dims`).
+    `perm[i]` is the tuple of the first matmul's output axes that axis i is made of (one, or
+    several merged by a reshape, in order); `axis` the softmax axis (an output axis of the first
+    matmul); `src` the value a reduction or a step came from.
+    `replay()` computes the value as traced (memoised), for any use that is not attention.
+    """
+
+    kind: str
+    shape: tuple
+    attn: Optional[Attn] = None
+    perm: tuple = ()
+    axis: Optional[int] = None
+    src: Optional["Sym"] = None
+    kept: bool = False
+    value: Any = None
+    dims: tuple = ()
+    scope: Optional[Scope] = None
+    atom: Any = None
+    replay: Callable[[], Any] = dataclasses.field(default=lambda: None, repr=False)
+
+
+def real(x):
+    return x.replay() if isinstance(x, Sym) else x
+
+
+def _small(x):
+    """A side value as an array; a lazy broadcast as its source with size-1 axes (so a mask
+    broadcast over heads or queries stays small)."""
+    if isinstance(x, Sym):
+        src_shape = np.shape(x.value)
+        return jnp.reshape(
+            x.value,
+            [src_shape[x.dims.index(i)] if i in x.dims else 1 for i in range(len(x.shape))],
+        )
+    return jnp.asarray(x)
+
+
+def _in_layout(x, sym: Sym, xp=jnp):
+    """A side value combined with `sym` (same rank or a scalar) in the first matmul's output
+    layout: its merged axes split, transposed back from `sym`'s layout; None if it cannot be
+    (a side value that varies within a merged axis in another way)."""
+    x = _small(x) if xp is jnp else np.asarray(x)
+    if x.ndim == 0:
+        return x.reshape((1,) * len(sym.attn.first.outvars[0].aval.shape))
+    full = sym.attn.first.outvars[0].aval.shape
+    shape = []
+    for size, group in zip(x.shape, sym.perm):
+        if size == 1:
+            shape += [1] * len(group)
+        elif size == int(np.prod([full[a] for a in group])):
+            shape += [full[a] for a in group]
+        else:
+            return None
+    order = [a for group in sym.perm for a in group]
+    return xp.transpose(x.reshape(shape), tuple(int(i) for i in np.argsort(order)))
+
+
+def _one(sym: Sym, i: int) -> Optional[int]:
+    """The first matmul's output axis that axis i of `sym` is, if it is one axis."""
+    group = sym.perm[i]
+    return group[0] if len(group) == 1 else None
+
+
+def _regroup(sym: Sym, shape) -> Optional[tuple]:
+    """The layout of `sym` reshaped to `shape`, if the reshape only merges or splits its axes
+    along the first matmul's output axes (a reshape of heads into groups and back)."""
+    full = sym.attn.first.outvars[0].aval.shape
+    atoms = [a for group in sym.perm for a in group]
+    groups, at = [], 0
+    for size in shape:
+        group, n = [], 1
+        while n < size and at < len(atoms):
+            group.append(atoms[at])
+            n *= full[atoms[at]]
+            at += 1
+        while at < len(atoms) and full[atoms[at]] == 1 and n == size and size != 1:
+            group.append(atoms[at])  # a size-1 axis rides along with its neighbour
+            at += 1
+        if n != size:
+            return None
+        groups.append(tuple(group))
+    return tuple(groups) if at == len(atoms) else None
+
+
+def _concrete_of(x, atom, scope: Optional[Scope]):
+    if isinstance(x, Sym) and x.kind == "bcast":
+        return None if x.scope is None else x.scope.concrete(x.atom)
+    if isinstance(x, (np.ndarray, np.generic, int, float, bool)):
+        return np.asarray(x)
+    return None if scope is None or atom is None else scope.concrete(atom)
+
+
+def _scalar(x, atom, scope) -> Optional[Any]:
+    """A side value that is one number: its concrete value (a Python float) or the traced one."""
+    if isinstance(x, Sym):
+        if x.kind != "bcast" or np.size(x.value) != 1:
+            return None
+        c = _concrete_of(x, atom, scope)
+        return float(c.reshape(())) if c is not None else jnp.reshape(x.value, ())
+    if np.size(x) != 1:
+        return None
+    c = _concrete_of(x, atom, scope)
+    return float(np.reshape(c, ())) if c is not None else jnp.reshape(x, ())
+
+
+def _concrete_in_layout(x, atom, scope, sym: Sym) -> Optional[np.ndarray]:
+    c = _concrete_of(x, atom, scope)
+    if c is None:
+        return None
+    if isinstance(x, Sym):  # the source of a lazy broadcast: placed as `_small` places it
+        src = np.shape(x.value)
+        c = c.reshape([src[x.dims.index(i)] if i in x.dims else 1 for i in range(len(x.shape))])
+    return _in_layout(c, sym, np)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rules: one operation on symbolic values, or None where it is not attention's.
+
+
+@dataclasses.dataclass
+class Engine:
+    """What the rules need from the interpreter: evaluate an equation as the engine would
+    (inputs real), the compute dtype an equation runs in (None: as traced), and the dtype its
+    matmul result is carried in."""
+
+    evaluate: Callable[[Any, list], list]
+    dtype_for: Callable[[Any], Optional[np.dtype]]
+    out_dtype: Callable[[Any, np.dtype], np.dtype]
+
+
+def _like(sym: Sym, **changes) -> Sym:
+    return dataclasses.replace(sym, **changes)
+
+
+def _free(dims, rank) -> list[int]:
+    (c, _), (b, _) = dims
+    return [i for i in range(rank) if i not in c and i not in b]
+
+
+def _softmax_axis(attn: Attn, axis: int) -> bool:
+    """Fixes which operand of the first matmul holds the queries from the softmax axis (an
+    output axis of that matmul): the keys' only free axis. False if it is no such axis."""
+    dims = jax_compat.param(attn.first, "dimension_numbers")
+    lhs, rhs = (v.aval for v in attn.first.invars)
+    (_, _), (lb, _) = dims
+    lf, rf = (
+        _free(dims, lhs.ndim),
+        _free(((dims[0][1], dims[0][0]), (dims[1][1], dims[1][0])), rhs.ndim),
+    )
+    nb = len(lb)
+    if nb + len(lf) <= axis and len(rf) == 1:
+        q_is_lhs = True
+    elif nb <= axis < nb + len(lf) and len(lf) == 1:
+        q_is_lhs = False
+    else:
+        return False
+    if attn.q_is_lhs not in (None, q_is_lhs):
+        return False
+    attn.q_is_lhs = q_is_lhs
+    return True
+
+
+def _scaled(sym: Sym, factor) -> Optional[Sym]:
+    attn = sym.attn
+    if isinstance(factor, float):
+        if not factor > 0:
+            return None
+        attn.scale *= factor
+    else:  # a traced scalar: folded into q, where it scales q . k the same
+        if attn.masks:
+            return None  # (its sign, which decides whether masked stays masked, is unknown)
+        attn.q_factor = factor if attn.q_factor is None else attn.q_factor * factor
+    if attn.bias is not None:
+        attn.bias = attn.bias * factor
+    return _like(sym)
+
+
+def logits_rule(eqn, vals, atoms, scope) -> Optional[list]:
+    """An operation on the (scaled, biased, masked) scores."""
+    name = eqn.primitive.name
+    i = next(j for j, x in enumerate(vals) if isinstance(x, Sym) and x.kind == "logits")
+    orig = vals[i]
+    attn = dataclasses.replace(orig.attn, masks=list(orig.attn.masks))  # values may branch
+    sym = _like(orig, attn=attn)
+    others = [(x, a) for j, (x, a) in enumerate(zip(vals, atoms)) if j != i]
+    if name == "sub" and i == 0 and isinstance(vals[1], Sym) and vals[1].kind == "max":
+        if vals[1].src is orig and vals[1].kept:
+            return [Sym("shifted", sym.shape, vals[1].attn, sym.perm, vals[1].axis, src=orig)]
+    if any(isinstance(x, Sym) and x.kind != "bcast" for x, _ in others):
+        return None
+    if name == "convert_element_type" or name == "copy" or name == "copy_p":
+        return [_like(sym)]
+    if name in ("transpose", "reshape"):
+        return _relaid(sym, eqn)
+    if name in ("mul", "div") and len(others) == 1:
+        if name == "div" and i != 0:
+            return None
+        factor = _scalar(*others[0], scope)
+        if factor is None:
+            return None
+        if name == "div":
+            factor = 1.0 / factor
+        return None if _scaled(sym, factor) is None else [_like(sym)]
+    if name in ("add", "add_any", "sub") and len(others) == 1:
+        if name == "sub" and i != 0:
+            return None
+        side = _in_layout(others[0][0], sym)
+        if side is None:
+            return None
+        side = side.astype(np.float32)
+        side = -side if name == "sub" else side
+        attn.bias = side if attn.bias is None else attn.bias + side
+        return [_like(sym)]
+    if name == "select_n" and len(vals) == 3 and i in (1, 2):
+        pred, pred_atom = vals[0], atoms[0]
+        fill, fill_atom = vals[3 - i], atoms[3 - i]
+        if (
+            isinstance(pred, Sym)
+            and pred.kind != "bcast"
+            or np.dtype(eqn.invars[0].aval.dtype) != np.dtype(bool)
+        ):
+            return None
+        value = _scalar(fill, fill_atom, scope)
+        if not isinstance(value, float) or not value <= _MASKED:
+            return None
+        keep = _in_layout(pred, sym)
+        if keep is None:
+            return None
+        known = _concrete_in_layout(pred, pred_atom, scope, sym)
+        if i == 1:  # select_n picks case 0 where the predicate is False: the logits are kept there
+            keep = jnp.logical_not(keep)
+            known = None if known is None else np.logical_not(known)
+        attn.masks.append((keep, known))
+        return [_like(sym)]
+    if name == "reduce_max":
+        (axis,) = (
+            jax_compat.param(eqn, "axes") if len(jax_compat.param(eqn, "axes")) == 1 else (None,)
+        )
+        first_axis = None if axis is None else _one(sym, axis)
+        if first_axis is None or not _softmax_axis(attn, first_axis):
+            return None
+        return [Sym("max", eqn.outvars[0].aval.shape, attn, sym.perm, first_axis, src=orig)]
+    return None
+
+
+def _relaid(sym: Sym, eqn) -> Optional[list]:
+    """A transpose or reshape of the scores or the weights: the same values, laid out anew."""
+    shape = tuple(eqn.outvars[0].aval.shape)
+    if eqn.primitive.name == "transpose":
+        perm = jax_compat.param(eqn, "permutation")
+        return [_like(sym, perm=tuple(sym.perm[p] for p in perm), shape=shape)]
+    if jax_compat.param(eqn, "dimensions") is not None:
+        return None
+    groups = _regroup(sym, shape)
+    return None if groups is None else [_like(sym, perm=groups, shape=shape)]
+
+
+def _kept_axis(sym: Sym, eqn) -> bool:
+    """Whether `eqn` (a broadcast or reshape of a reduction) puts the reduced axis back."""
+    src = sym.src
+    where = src.perm.index((sym.axis,))
+    out = tuple(eqn.outvars[0].aval.shape)
+    want = src.shape[:where] + (1,) + src.shape[where + 1 :]
+    full = tuple(src.shape)
+    if eqn.primitive.name == "reshape":
+        return out == want
+    dims = tuple(jax_compat.param(eqn, "broadcast_dimensions"))
+    return out in (want, full) and dims == tuple(d for d in range(len(out)) if d != where)
+
+
+def softmax_rule(eqn, vals, atoms, scope) -> Optional[list]:
+    """An operation of the softmax over the key axis (`jax.nn.softmax` as traced)."""
+    name = eqn.primitive.name
+    syms = [x for x in vals if isinstance(x, Sym)]
+    sym = syms[0]
+    if sym.kind in ("max", "sum") and not sym.kept:
+        if name == "max" and len(syms) == 1:  # max(x_max, -inf): the initial value
+            other = vals[1] if vals[0] is sym else vals[0]
+            value = _scalar(other, atoms[vals.index(other)], scope)
+            return [_like(sym)] if isinstance(value, float) and value <= _MASKED else None
+        if name in ("broadcast_in_dim", "reshape") and _kept_axis(sym, eqn):
+            return [_like(sym, kept=True)]
+        return None
+    if sym.kind in ("max", "sum") and name == "stop_gradient":
+        return [_like(sym)]
+    if sym.kind == "shifted" and name == "exp":
+        return [_like(sym, kind="exp")]
+    if sym.kind == "exp" and name == "reduce_sum":
+        axes = tuple(jax_compat.param(eqn, "axes"))
+        if axes != (sym.perm.index((sym.axis,)),):
+            return None
+        return [Sym("sum", eqn.outvars[0].aval.shape, sym.attn, sym.perm, sym.axis, src=sym)]
+    if name == "div" and len(syms) == 2 and vals[0].kind == "exp" and vals[1].kind == "sum":
+        if vals[1].src is vals[0] and vals[1].kept:
+            return [_like(vals[0], kind="probs")]
+    if sym.kind == "probs" and name in ("convert_element_type", "copy"):
+        return [_like(sym)]
+    if sym.kind == "probs" and name in ("transpose", "reshape"):
+        return _relaid(sym, eqn)
+    return None
