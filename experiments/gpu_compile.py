@@ -271,6 +271,7 @@ def main(argv=None):
         seconds=time.time() - started,
         fraction=memory_fraction(),
         target=get_target("h200"),
+        command=" ".join(["python experiments/gpu_compile.py", *(argv or sys.argv[1:])]),
     )
     return 0
 

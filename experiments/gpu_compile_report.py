@@ -153,13 +153,23 @@ def _plot(results, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def write(results, out: pathlib.Path, *, quick: bool, seconds: float, fraction: float, target):
+def write(
+    results,
+    out: pathlib.Path,
+    *,
+    quick: bool,
+    seconds: float,
+    fraction: float,
+    target,
+    command: str = "",
+):
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    command = command or f"python experiments/gpu_compile.py{' --quick' if quick else ''}"
     lines = [
         "# jamp's steps compiled for the H200 on a CPU (experiments/gpu_compile.py)",
         "",
         f"{now}, compiled on {cpu_description()} with no GPU; {_versions()}. "
-        f"Command: `python experiments/gpu_compile.py{' --quick' if quick else ''}` "
+        f"Command: `{command}` "
         f"({seconds / 60:.0f} min).",
         "",
         "Every figure is XLA's buffer assignment for the target (per device), not a measured "

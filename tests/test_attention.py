@@ -153,7 +153,8 @@ def test_attention_kept_in_float32_by_an_override_stays_float32_and_unfused():
     assert batched and all(e.invars[0].aval.dtype == F32 for e in batched)
     # Without the override the same attention is one call.
     with traced_for.compiling_for(jax.devices()[0]) as record:
-        jamp.wrap(model, "mixed_bfloat16", activations="compute").apply(variables, tokens)
+        wrapped = jamp.wrap(model, "mixed_bfloat16", activations="compute")
+        jax.make_jaxpr(lambda v: wrapped.apply(v, tokens))(variables)
     assert [how for _, how, _ in record.attention] == ["xla"]
     assert record.attention[0][0].endswith("DecoderBlock_0/MultiHeadDotProductAttention_0")
 

@@ -71,6 +71,7 @@ def test_accuracy_fp8_quickest_mode_writes_its_table(tmp_path):
     assert "| mixed_fp8 delayed | mixed_bfloat16 | " in text  # its params evaluated in bf16
 
 
+@pytest.mark.program  # an experiment's own code, run at the newest end
 def test_fp8_peer_step_overwrites_flax_fp8_variables_and_optimizes_only_params():
     # The peer's hand-written step: flax's _overwrite_with_gradient variables take their
     # "gradients" (this step's amaxes), the optimizer sees only the params.
@@ -104,6 +105,7 @@ def test_fp8_peer_step_overwrites_flax_fp8_variables_and_optimizes_only_params()
     assert all(jax.tree.leaves(moved))
 
 
+@pytest.mark.program  # an experiment's own code, run at the newest end
 def test_bench_fp8_builds_its_variants_and_reads_gemm_operand_types():
     # The GPU benchmark, kept runnable for the next lent GPU: one tiny variant of jamp and of the
     # Flax peer builds and steps here, and the GEMM count reads a GPU fp8 custom call's operands.
