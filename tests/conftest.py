@@ -4,7 +4,10 @@ The flag must be set before jax is imported anywhere in the test process.
 
 The many runs of the training program (each a subprocess) compile the same small programs again
 and again: one persistent compilation cache for the session, fresh each session, serves them all
-(18 % off test_train.py + test_resume.py here). The subprocesses inherit it with the environment.
+(18 % off test_train.py + test_resume.py here). The subprocesses inherit it with the environment,
+and so do pytest-xdist's workers (`-n auto --dist loadfile`, the README's test command: each file
+on one worker, so that a file's module-scoped fixtures, compiled programs among them, are built
+once).
 """
 
 import atexit
@@ -31,6 +34,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # suite pins the "native" form on every machine (subprocesses inherit it); tests/test_hardware.py
 # exercises both forms explicitly. Set JAMP_MATMUL_LOWERING=auto to run the suite unpinned.
 os.environ.setdefault("JAMP_MATMUL_LOWERING", "native")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (the README's test command): a worker per core, at most 4. Most of a test's time
+    is XLA compiling on one thread, so on 2 cores two workers take 35 % off the suite; each
+    worker holds JAX, TensorFlow and 8 simulated devices, so more than 4 buys little for memory."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 @pytest.fixture(scope="session")
