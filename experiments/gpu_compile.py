@@ -11,9 +11,12 @@ peak; no speed):
 2. The Llama-style decoders of configs/llama.py (1.5B, 7B) on 8 H200s under pmap, fsdp=8 and
    data=2,fsdp=4 with mixed_bfloat16 and mixed_fp8: memory per device, bytes on the wire by
    dtype, the largest global batch that fits.
+3. NNX models, ours and one nobody here wrote (Tunix's Llama 3), wrapped under mixed_bfloat16
+   against each model's own bf16 build (experiments/gpu_compile_models.py).
 
     python experiments/gpu_compile.py                   # all (hours on a 2-core CPU)
-    python experiments/gpu_compile.py --part gpt2       # question 1 only
+    python experiments/gpu_compile.py --part gpt2       # question 1 only (each part is added to
+                                                        # the JSON at --out, the rest kept)
     python experiments/gpu_compile.py --quick           # tiny shapes, for the tests
 
 Every step is compiled without XLA's rematerialization pass (jamp.train.plan.NO_REMAT): near
@@ -37,6 +40,7 @@ import optax
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+import gpu_compile_models  # noqa: E402
 from peers_flax import HandLM  # noqa: E402
 
 import jamp  # noqa: E402
@@ -236,9 +240,30 @@ def decoder_part(quick: bool, log) -> list[dict]:
     return rows
 
 
+def models_part(quick: bool, log) -> list[dict]:
+    batch = 8
+    rows = []
+    for name in gpu_compile_models.MODELS:
+        if "Tunix" in name and gpu_compile_models.tunix_llama3() is None:
+            print(f"{name}: google-tunix is not installed, left out", flush=True)
+            continue
+        for variant in gpu_compile_models.VARIANTS:
+            report = gpu_compile_models.report(name, variant, batch, quick, plan.NO_REMAT)
+            row = _row(f"{name}: {variant}", report, batch)
+            # NNX modules set no name scopes, so the report's attention sites (by module path)
+            # lump a model's layers together: count cuDNN's forward calls instead, one per layer
+            row["fused_attention"] = sum(a.forward for a in report.attention if a.fused)
+            rows.append(row)
+            log(rows[-1:])
+    return rows
+
+
+PARTS = {"gpt2": gpt2_part, "decoders": decoder_part, "models": models_part}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("gpt2", "decoders", "all"), default="all")
+    parser.add_argument("--part", choices=(*PARTS, "all"), default="all")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(RESULTS / "gpu_compile_h200"))
     args = parser.parse_args(argv)
@@ -255,24 +280,17 @@ def main(argv=None):
                 flush=True,
             )
 
-    started = time.time()
-    if args.part in ("gpt2", "all"):
-        results["gpt2"] = gpt2_part(args.quick, log)
-        raw.write_text(json.dumps(results, indent=1))
-    if args.part in ("decoders", "all"):
-        results["decoders"] = decoder_part(args.quick, log)
-        raw.write_text(json.dumps(results, indent=1))
-    from gpu_compile_report import write  # the table and plot, apart: they only read the JSON
+    from gpu_compile_report import run_record, write  # apart: they only read the JSON
 
-    write(
-        results,
-        out,
-        quick=args.quick,
-        seconds=time.time() - started,
-        fraction=memory_fraction(),
-        target=get_target("h200"),
-        command=" ".join(["python experiments/gpu_compile.py", *(argv or sys.argv[1:])]),
-    )
+    command = " ".join(["python experiments/gpu_compile.py", *(argv or sys.argv[1:])])
+    for part, run in PARTS.items():
+        if args.part in (part, "all"):
+            started = time.time()
+            results[part] = run(args.quick, log)
+            # each part says when, where and by which command it ran: parts run apart
+            results.setdefault("runs", {})[part] = run_record(command, time.time() - started)
+            raw.write_text(json.dumps(results, indent=1))
+    write(results, out, fraction=memory_fraction(), target=get_target("h200"))
     return 0
 
 

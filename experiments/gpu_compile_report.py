@@ -153,25 +153,36 @@ def _plot(results, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def write(
-    results,
-    out: pathlib.Path,
-    *,
-    quick: bool,
-    seconds: float,
-    fraction: float,
-    target,
-    command: str = "",
-):
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    command = command or f"python experiments/gpu_compile.py{' --quick' if quick else ''}"
+def run_record(command: str, seconds: float) -> dict:
+    """When, where and how one part ran (kept in the JSON beside the part's rows)."""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "machine": f"{cpu_description()} with no GPU",
+        "versions": _versions(),
+        "command": command,
+        "minutes": round(seconds / 60),
+    }
+
+
+_TITLES = {"gpt2": "GPT-2 small", "decoders": "decoders", "models": "NNX models"}
+
+
+def _runs(results) -> list[str]:
+    lines = []
+    for part, run in results.get("runs", {}).items():
+        if results.get(part):
+            lines.append(
+                f"- {_TITLES.get(part, part)}: {run['date']}, compiled on {run['machine']}; "
+                f"{run['versions']}. Command: `{run['command']}` ({run['minutes']} min)."
+            )
+    return lines + [""] if lines else []
+
+
+def write(results, out: pathlib.Path, *, fraction: float, target):
     lines = [
         "# jamp's steps compiled for the H200 on a CPU (experiments/gpu_compile.py)",
         "",
-        f"{now}, compiled on {cpu_description()} with no GPU; {_versions()}. "
-        f"Command: `{command}` "
-        f"({seconds / 60:.0f} min).",
-        "",
+        *_runs(results),
         "Every figure is XLA's buffer assignment for the target (per device), not a measured "
         "peak: it says what is live and in which dtype, not how fast. Every step is compiled "
         "without XLA's rematerialization pass (which, near the memory's size, recomputes "
@@ -196,6 +207,18 @@ def write(
             "",
         ]
         lines += _decoder_table(results["decoders"]) + [""]
+    if results.get("models"):
+        lines += [
+            "## NNX models on one H200, batch 8: wrapped by jamp against their own bf16 build",
+            "",
+            'The fp32 model, the fp32 model under `jamp.wrap(model, "mixed_bfloat16")`, and '
+            "the model's own bf16 build (experiments/gpu_compile_models.py says which), AdamW, "
+            "jamp's train step. Attention fused: cuDNN's forward calls (one per layer); unfused: "
+            "sites of matmuls + softmax (NNX modules set no name scopes, so one site may hold "
+            "every layer).",
+            "",
+        ]
+        lines += _gpt2_table(results["models"]) + [""]
     out.with_suffix(".md").write_text("\n".join(lines))
     _plot(results, out.with_suffix(".png"))
 
@@ -209,8 +232,6 @@ if __name__ == "__main__":
     write(
         json.loads(stem.with_suffix(".json").read_text()),
         stem,
-        quick=False,
-        seconds=0,
         fraction=memory_fraction(),
         target=get_target("h200"),
     )

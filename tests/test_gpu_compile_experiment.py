@@ -34,7 +34,7 @@ def _row(label, batch, temp, **extra):
     return row
 
 
-def test_gpu_compile_report_writes_both_tables_and_the_plot(tmp_path):
+def test_gpu_compile_report_writes_its_tables_each_parts_run_and_the_plot(tmp_path):
     results = {
         "gpt2": [
             _row(
@@ -62,12 +62,30 @@ def test_gpu_compile_report_writes_both_tables_and_the_plot(tmp_path):
                 largest={"batch": 24, "above": 32, "complete": False, "peaks": {}},
             )
         ],
+        "models": [_row("Tunix Llama 3: jamp mixed_bfloat16", 8, 2 * GIB, fused_attention=4)],
+        "runs": {
+            "gpt2": gpu_compile_report.run_record(
+                "python experiments/gpu_compile.py --part gpt2", 120
+            ),
+            "models": {
+                **gpu_compile_report.run_record("python x.py --part models", 60),
+                "date": "2026-01-02",
+            },
+        },
     }
     stem = tmp_path / "gpu_compile"
-    gpu_compile_report.write(
-        results, stem, quick=True, seconds=60, fraction=0.75, target=target_lib.get_target("h200")
-    )
+    gpu_compile_report.write(results, stem, fraction=0.75, target=target_lib.get_target("h200"))
     text = stem.with_suffix(".md").read_text()
+    # each part with its own run: parts run apart, at different times
+    assert (
+        "- GPT-2 small: " in text
+        and "`python experiments/gpu_compile.py --part gpt2` (2 min)" in text
+    )
+    assert "- NNX models: 2026-01-02, compiled on " in text and "- decoders:" not in text
+    assert (
+        "| Tunix Llama 3: jamp mixed_bfloat16 | 8 | 2.00 | 3.00 | f32 1.00, bf16 1.00 | 4 / 12 |"
+        in text
+    )
     assert "| jamp mixed_bfloat16 | 8 | 13.00 | 14.00 | f32 6.50, bf16 6.50 | 0 / 12 | 0 |" in text
     assert "72 (74: no)" in text
     assert "| llama 7b mixed_bfloat16 fsdp=8 | 16 | 10.00 | 60.00 | 61.00 | yes | " in text

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.extend import core as jcore
 
 import jamp
+from jamp import traced_for
 
 
 def _import_tunix_models():
@@ -91,8 +92,13 @@ def _matmul_dtypes(eqns):
 def test_published_nnx_every_matmul_in_compute_dtype_forward_and_backward(name, compute):
     module = _build(name)
     assert set(_matmul_dtypes(_grad_eqns(module))) == {(F32, F32)}  # as published: fp32
-    found = _matmul_dtypes(_grad_eqns(jamp.wrap(module, f"p=f32,c={compute.name},o=f32")))
+    with traced_for.compiling_for(jax.devices()[0]) as record:
+        found = _matmul_dtypes(_grad_eqns(jamp.wrap(module, f"p=f32,c={compute.name},o=f32")))
     assert len(found) >= 3 * 7 and set(found) == {(compute, compute)}
+    # Each layer's attention (einsums, a where-mask and a softmax, grouped-query heads) is
+    # recognised and runs fused: the written-out form on this CPU, cuDNN's on an NVIDIA target
+    # (experiments/gpu_compile.py --part models).
+    assert [how for _, how, _ in record.attention] == ["xla"] * SIZES["num_layers"]
 
 
 @pytest.mark.parametrize("name", NAMES)
