@@ -67,6 +67,21 @@ def test_target_without_the_plugin_is_one_line(monkeypatch):
         target_lib._topology.cache_clear()
 
 
+def test_report_lists_what_the_engine_recognised_as_attention_by_decision():
+    from types import SimpleNamespace
+
+    from jamp.inspect.compiled import _traced_attention_lines
+
+    traced = [(f"LM/Block_{i}/attn", "cudnn", "") for i in range(12)]
+    traced += [("LM/Block_0/attn", "unfused", "dropout on the weights")]
+    lines = _traced_attention_lines(SimpleNamespace(attention_traced=tuple(traced)))
+    assert lines == [
+        "  recognised by jamp while tracing: 13",
+        "    12 cuDNN fused: LM/Block_0/attn, LM/Block_1/attn and 10 more",
+        "    1 left as traced (dropout on the weights): LM/Block_0/attn",
+    ]
+
+
 @needs_plugin
 def test_target_devices_are_a_topology_of_gpus():
     devices = target_lib.get_target("2x h200x8").devices

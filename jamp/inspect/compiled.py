@@ -257,8 +257,12 @@ def _traced_attention_lines(r: CompileReport) -> list[str]:
     names = {"cudnn": "cuDNN fused", "xla": "written out", "unfused": "left as traced"}
     lines = [f"  recognised by jamp while tracing: {len(r.attention_traced)}"]
     for (how, why), paths in sorted(groups.items()):
-        shown = ", ".join(sorted(set(paths), key=_natural)[:2])
-        lines.append(f"    {len(paths)} {names.get(how, how)}{f' ({why})' if why else ''}: {shown}")
+        distinct = sorted(set(paths), key=_natural)
+        shown = ", ".join(distinct[:2])
+        more = f" and {len(distinct) - 2} more" if len(distinct) > 2 else ""
+        lines.append(
+            f"    {len(paths)} {names.get(how, how)}{f' ({why})' if why else ''}: {shown}{more}"
+        )
     return lines
 
 
