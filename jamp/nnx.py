@@ -104,7 +104,7 @@ def _tagged_class(cls: type, index: int, policy: jmp.Policy) -> type:
         @functools.wraps(fn)
         def method(self, *args, **kwargs):
             with overrides_lib.running_under(index, policy, self, args, kwargs) as (a, kw):
-                return policy.cast_to_output(fn(self, *a, **kw))
+                return overrides_lib.cast_output(policy, fn(self, *a, **kw))
 
         return method
 
@@ -164,7 +164,7 @@ def _run(module, setup: _Setup, name: str, args, kwargs):
         else:  # the model itself matches an override (a wrapped LayerNorm is a norm)
             policy = setup.overrides[index][1]
             with overrides_lib.running_under(index, policy, copy, call_args, call_kwargs) as cast:
-                out = policy.cast_to_output(method(*cast[0], **cast[1]))
+                out = overrides_lib.cast_output(policy, method(*cast[0], **cast[1]))
         after = {path: v.get_value() for path, v in _variables(copies).items()}
         new = [path for path in after if path not in before]
         where = f"{setup.original.__name__}.{name}"

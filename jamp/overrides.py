@@ -44,6 +44,18 @@ def tag(index: int) -> str:
     return f"{TAG_PREFIX}{index}_"
 
 
+#: The name scope of an overridden module's output cast (`cast_output`). Under 16-bit activations
+#: the engine carries a 16-bit output through it as it is: an override that only changes the
+#: compute dtype (fp8's embeddings in bf16) must not turn what follows into float32 activations.
+OUTPUT_SCOPE = "jamp_override_output"
+
+
+def cast_output(policy: jmp.Policy, out):
+    """An overridden module's result in `policy`'s output dtype, cast under `OUTPUT_SCOPE`."""
+    with jax.named_scope(OUTPUT_SCOPE):
+        return policy.cast_to_output(out)
+
+
 def tag_index(name_stack: str) -> Optional[int]:
     """The index of the innermost policy tag on a name stack, if any."""
     at = name_stack.rfind(TAG_PREFIX)
@@ -143,6 +155,6 @@ def computing_in(module: Any, dtype):
 @contextlib.contextmanager
 def running_under(index: int, policy: jmp.Policy, module: Any, args, kwargs):
     """One call of an overridden module: tagged, in its policy's compute dtype; yields the cast
-    arguments; the caller casts the result with `policy.cast_to_output`."""
+    arguments; the caller casts the result with `cast_output`."""
     with jax.named_scope(tag(index)), computing_in(module, policy.compute_dtype):
         yield policy.cast_to_compute((args, kwargs))

@@ -119,7 +119,7 @@ class Wrapped(nn.Module):
                 return next_fun(*args, **kwargs)
             policy = self.overrides[index][1]
             with overrides_lib.running_under(index, policy, context.module, args, kwargs) as cast:
-                return policy.cast_to_output(next_fun(*cast[0], **cast[1]))
+                return overrides_lib.cast_output(policy, next_fun(*cast[0], **cast[1]))
 
     @nn.nowrap
     def _run(self, fn, *args, **kwargs):

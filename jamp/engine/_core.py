@@ -12,7 +12,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jamp import activations as act
-from jamp import fp8, jax_compat, mixed_ops
+from jamp import fp8, jax_compat, mixed_ops, overrides
 from jamp.engine import _attention
 from jamp.engine import _values as V
 
@@ -282,8 +282,17 @@ def _eval_lowered(eqn, invals, weak, compute_dtype, ctx: _Ctx, placed=None):
         return _eval_polymorphic(eqn, invals, weak), [all_weak] * n_out
     if name == "convert_element_type":
         (x,), (v,) = invals, eqn.invars
-        if V.dtype_of(x) != v.aval.dtype and jax_compat.param(eqn, "new_dtype") == v.aval.dtype:
+        new_dtype = jax_compat.param(eqn, "new_dtype")
+        if V.dtype_of(x) != v.aval.dtype and new_dtype == v.aval.dtype:
             return [x], list(weak)  # a no-op conversion of a lowered value (e.g. weak-type only)
+        if (
+            str(eqn.source_info.name_stack).endswith(overrides.OUTPUT_SCOPE)
+            and act.is_lowerable(new_dtype)
+            and np.dtype(V.dtype_of(x)).itemsize == 2
+        ):
+            # An override's 16-bit output widened to its policy's output dtype: carried as it
+            # is, as the activation would be without the override (see overrides.OUTPUT_SCOPE).
+            return [x], list(weak)
         return V.bind(eqn, [x], eqn.params), list(weak)
     if lowered and name == "custom_jvp_call":
         return _eval_custom_jvp(eqn, invals, weak, compute_dtype, ctx), [False] * n_out
