@@ -173,7 +173,9 @@ def _runs(results) -> list[str]:
         if results.get(part):
             lines.append(
                 f"- {_TITLES.get(part, part)}: {run['date']}, compiled on {run['machine']}; "
-                f"{run['versions']}. Command: `{run['command']}` ({run['minutes']} min)."
+                f"{run['versions']}. Command: `{run['command']}` ({run['minutes']} min"
+                + (f"; {run['note']}" if run.get("note") else "")
+                + ")."
             )
     return lines + [""] if lines else []
 

@@ -70,6 +70,7 @@ def test_gpu_compile_report_writes_its_tables_each_parts_run_and_the_plot(tmp_pa
             "models": {
                 **gpu_compile_report.run_record("python x.py --part models", 60),
                 "date": "2026-01-02",
+                "note": "beside another run",
             },
         },
     }
@@ -81,6 +82,7 @@ def test_gpu_compile_report_writes_its_tables_each_parts_run_and_the_plot(tmp_pa
         "- GPT-2 small: " in text
         and "`python experiments/gpu_compile.py --part gpt2` (2 min)" in text
     )
+    assert "`python x.py --part models` (1 min; beside another run)." in text
     assert "- NNX models: 2026-01-02, compiled on " in text and "- decoders:" not in text
     assert (
         "| Tunix Llama 3: jamp mixed_bfloat16 | 8 | 2.00 | 3.00 | f32 1.00, bf16 1.00 | 4 / 12 |"
