@@ -24,6 +24,13 @@ replicas and, after the finite check, calls `update` (a skipped step keeps the s
 like the params). The optimizer never sees the state. A matmul without a site in the state (no
 state at all, or one inside a loop body: see `init_state`) uses current scaling.
 
+What the backward pass keeps of an activation is one copy. Sites that read one tensor under a
+state (q, k and v of one normalised input; gate and up) quantise it once, with the first reader's
+x scale (each records the same amax of it, so their x histories and scales are equal): one fp8
+copy is kept, not one per site, and XLA can merge their GEMMs. A site reading a 16-bit value that
+the backward keeps anyway (a fused attention's output: `keep_lhs`) keeps that value and quantises
+it again in the backward pass, rather than keeping an fp8 copy beside it.
+
 Example::
 
     model = jamp.wrap(Transformer(cfg), "mixed_fp8")          # stateless: current scaling
@@ -201,6 +208,8 @@ class _Scope:
     # in one loss has two sets of sites, not one whose amaxes would add up.
     counts: dict = dataclasses.field(default_factory=dict)
     reached: set = dataclasses.field(default_factory=set)
+    # id(activation) -> (the activation, its amax, its scale); see `_x_scale`.
+    first_reader: dict = dataclasses.field(default_factory=dict)
 
     def check_reached(self) -> None:
         """Raises ValueError when the loss traced in this scope left some of the state's sites
@@ -349,9 +358,9 @@ def _grad_to(d, like_dtype, placed: Optional[mixed_ops.Placed]):
     return d.astype(like_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _f8_dot(lhs, rhs, site, dims, out_dtype, delayed, margin, placed):
-    return _f8_fwd(lhs, rhs, site, dims, out_dtype, delayed, margin, placed)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def _f8_dot(lhs, rhs, site, ax, sx, dims, out_dtype, delayed, margin, placed, keep):
+    return _f8_fwd(lhs, rhs, site, ax, sx, dims, out_dtype, delayed, margin, placed, keep)[0]
 
 
 def _scale(site: Site, row: int, amax, delayed: bool, margin: float):
@@ -365,20 +374,47 @@ def _scale(site: Site, row: int, amax, delayed: bool, margin: float):
     return lax.cond(seen, lambda: site.scale[row], lambda: scale_for(amax(), _FMAX[row], margin))
 
 
-def _f8_fwd(lhs, rhs, site, dims, out_dtype, delayed, margin, placed):
-    ax, aw = _amax(lhs), _amax(rhs)
-    sx = _scale(site, 0, lambda: _amax(lhs), delayed, margin)
+def _x_scale(scope: Optional[_Scope], lhs, entry: Site, shared: bool, delayed, margin):
+    """The activation's amax and scale, outside the matmul's derivative (both are constants to
+    it): once per activation in a trace when `shared`, for every site that reads it.
+
+    q, k and v read one normalised input, gate and up another. Each such site records the same
+    amax of it, so their activation histories and scales are equal, and the first reader's serve
+    them all: the quantisations become one computation, which XLA merges into one fp8 copy kept
+    for the backward pass (one per site before: three for q, k, v), and, under sharding, one
+    all-reduce of the amax instead of one per site (XLA cannot merge collectives).
+    """
+    if shared:
+        held = scope.first_reader.get(id(lhs))
+        if held is not None and held[0] is lhs:
+            return held[1:]
+    x = lax.stop_gradient(lhs)
+    ax = _amax(x)
+    sx = _scale(jax.tree.map(lax.stop_gradient, entry), 0, lambda: _amax(x), delayed, margin)
+    if shared:
+        scope.first_reader[id(lhs)] = (lhs, ax, sx)
+    return ax, sx
+
+
+def _f8_fwd(lhs, rhs, site, ax, sx, dims, out_dtype, delayed, margin, placed, keep):
+    aw = _amax(rhs)
     sw = _scale(site, 1, lambda: _amax(rhs), delayed, margin)
     xq = _placed(quantize(lhs, sx, E4M3), placed[0])
     wq = _placed(quantize(rhs, sw, E4M3), placed[1])
     out = (_dot(xq, wq, dims) * (1.0 / (sx * sw))).astype(out_dtype)
     like = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
-    return out, (xq, wq, sx, sw, ax, aw, site, like)
+    # The backward's activation operand: its fp8 copy, or (`keep`) the 16-bit activation itself
+    return out, (lhs if keep else xq, wq, sx, sw, ax, aw, site, like)
 
 
-def _f8_bwd(dims, out_dtype, delayed, margin, placed, residuals, g):
+def _f8_bwd(dims, out_dtype, delayed, margin, placed, keep, residuals, g):
     del out_dtype
     xq, wq, sx, sw, ax, aw, site, (lhs_like, rhs_like) = residuals
+    if keep:
+        # Quantised again, to the forward's very values. The barrier keeps XLA from merging this
+        # with the forward's quantisation, which would keep that fp8 copy until here after all.
+        x, sx_kept = lax.optimization_barrier((xq, sx))
+        xq = quantize(x, sx_kept, E4M3)
     ag = _amax(g)
     sg = _scale(site, 2, lambda: _amax(g), delayed, margin)
     gq = quantize(g, sg, E5M2)
@@ -389,6 +425,8 @@ def _f8_bwd(dims, out_dtype, delayed, margin, placed, residuals, g):
         _grad_to(d_lhs, lhs_like.dtype, placed[0]),
         _grad_to(d_rhs, rhs_like.dtype, placed[1]),
         _observed_site(site, (ax, aw, ag)),
+        jnp.zeros_like(ax),
+        jnp.zeros_like(sx),
     )
 
 
@@ -396,7 +434,14 @@ _f8_dot.defvjp(_f8_fwd, _f8_bwd)
 
 
 def dot_general(
-    lhs, rhs, dimension_numbers, out_dtype, site: Optional[str] = None, placed=(None, None)
+    lhs,
+    rhs,
+    dimension_numbers,
+    out_dtype,
+    site: Optional[str] = None,
+    placed=(None, None),
+    *,
+    keep_lhs: bool = False,
 ):
     """`lax.dot_general` with E4M3 operands forward, E5M2 gradients backward, fp32 accumulation.
 
@@ -409,6 +454,10 @@ def dot_general(
         uses current scaling. Under `init_state`, the name is collected.
       placed: per operand, a `jamp.mixed_ops.Placed` (a sharded parameter: quantised on its
         shards, gathered in fp8, its gradient reduced in the reduce dtype) or None.
+      keep_lhs: `lhs` is a 16-bit value that the backward pass keeps anyway (a fused attention's
+        output, which cuDNN's backward reads): keep it rather than a second, fp8 copy of it, and
+        quantise it again in the backward pass (to the same values). Ignored for a float32 or
+        sharded `lhs`, whose fp8 copy is the smaller one to keep.
 
     Returns:
       The product, in `out_dtype`; gradients come back in `lhs.dtype` and `rhs.dtype`.
@@ -422,11 +471,25 @@ def dot_general(
     if scope is not None and scope.found is not None and site is not None:
         scope.found.append(site)
     state = scope.state if scope is not None else None
+    shared = False
     if state is not None and site in state.sites:
         scope.reached.add(site)
         delayed, margin, entry = state.recipe == "delayed", state.margin, state.sites[site]
+        shared = True
     else:
         delayed, margin, entry = False, 0.0 if state is None else state.margin, _new_site(1)
+    ax, sx = _x_scale(scope, lhs, entry, shared, delayed, float(margin))
+    keep = bool(keep_lhs) and placed[0] is None and np.dtype(lhs.dtype).itemsize == 2
     return _f8_dot(
-        lhs, rhs, entry, dims, np.dtype(out_dtype), delayed, float(margin), tuple(placed)
+        lhs,
+        rhs,
+        entry,
+        ax,
+        sx,
+        dims,
+        np.dtype(out_dtype),
+        delayed,
+        float(margin),
+        tuple(placed),
+        keep,
     )

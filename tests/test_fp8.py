@@ -151,6 +151,76 @@ def test_dot_general_forward_and_backward_equal_the_dequantised_products():
     assert 1e-3 < rel < 0.06
 
 
+def test_dot_general_keep_lhs_keeps_the_16_bit_activation_not_an_fp8_copy_same_numbers():
+    # keep_lhs (the engine sets it for a fused attention's output, which cuDNN's backward keeps
+    # anyway): the backward keeps the bf16 activation and quantises it again, to the same values
+    import contextlib
+    import io
+
+    from jax.ad_checkpoint import print_saved_residuals
+
+    k = jax.random.split(jax.random.key(4), 3)
+    x = jax.random.normal(k[0], (6, 32)).astype(jnp.bfloat16)
+    w = jax.random.normal(k[1], (32, 8)) * 0.1
+    g = jax.random.normal(k[2], (6, 8))
+
+    def f(keep, dtype=jnp.bfloat16):
+        return lambda a, b: fp8.dot_general(a.astype(dtype), b, DIMS, jnp.float32, keep_lhs=keep)
+
+    def saved(fn, *args):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            print_saved_residuals(fn, *args)
+        return out.getvalue()
+
+    plain, kept = jax.vjp(f(False), x, w), jax.vjp(f(True), x, w)
+    np.testing.assert_array_equal(plain[0], kept[0])
+    for a, b in zip(plain[1](g), kept[1](g)):
+        np.testing.assert_array_equal(a, b)  # bit for bit: the same fp8 values
+    assert "f8_e4m3fn[6,32]" in saved(f(False), x, w)
+    assert "f8_e4m3fn[6,32]" not in saved(f(True), x, w)
+    assert "bf16[6,32]" in saved(f(True), x, w)
+    # a float32 activation keeps its fp8 copy, the smaller one
+    assert "f8_e4m3fn[6,32]" in saved(f(True, jnp.float32), x, w)
+
+
+def test_sites_reading_one_activation_quantise_it_once_with_the_first_readers_scale():
+    # q, k and v read one normalised input: each records the same amax of it, so their x
+    # histories and scales are equal in training (checked in the train-step test below), and
+    # the first reader's scale serves all three; XLA then keeps one fp8 copy of the input for
+    # the backward pass, not three (the H200 program's test is in test_target.py). Here the
+    # histories differ on purpose, to show whose scale is used.
+    k = jax.random.split(jax.random.key(3), 4)
+    x = jax.random.normal(k[0], (6, 32))
+    ws = [jax.random.normal(k[i], (32, 8)) * 0.1 for i in (1, 2, 3)]
+    sites = {
+        n: fp8.Site(jnp.array([[a], [1.0], [1.0]], jnp.float32), jnp.array([s, 448.0, 57344.0]))
+        for n, a, s in (("q", 4.0, 112.0), ("k", 8.0, 56.0), ("v", 2.0, 224.0))
+    }
+    state = fp8.Fp8State(sites)
+
+    def f(st, x, other):
+        with fp8.scaling(st):
+            outs = [fp8.dot_general(x, w, DIMS, jnp.float32, n) for n, w in zip("qk", ws)]
+            outs.append(fp8.dot_general(other, ws[2], DIMS, jnp.float32, "v"))
+        return outs
+
+    (oq, ok, ov), vjp = jax.vjp(lambda st: f(st, x, x), state)
+    for o, w in ((oq, ws[0]), (ok, ws[1]), (ov, ws[2])):  # all three with q's x scale, 112
+        xq = np.asarray(fp8.dequantize(fp8.quantize(x, 112.0, fp8.E4M3), 112.0))
+        wq = np.asarray(fp8.dequantize(fp8.quantize(w, 448.0, fp8.E4M3), 448.0))
+        np.testing.assert_allclose(o, xq @ wq, rtol=1e-5, atol=1e-6)
+    # each site still reports its own observations (the amax of x into its own history)
+    (seen,) = vjp([jnp.ones_like(o) for o in (oq, ok, ov)])
+    amax = float(jnp.max(jnp.abs(x)))
+    assert [float(seen.sites[n].amax_history[0, 0]) for n in "qkv"] == [amax] * 3
+    # another tensor (even of equal values) is its own: v's scale, 224
+    (_, _, ov2) = f(state, x, x + 0.0)
+    xq = np.asarray(fp8.dequantize(fp8.quantize(x, 224.0, fp8.E4M3), 224.0))
+    wq = np.asarray(fp8.dequantize(fp8.quantize(ws[2], 448.0, fp8.E4M3), 448.0))
+    np.testing.assert_allclose(ov2, xq @ wq, rtol=1e-5, atol=1e-6)
+
+
 def test_dot_general_batched_dims_and_its_gradients_run_on_cpu():
     k = jax.random.split(jax.random.key(1), 2)
     a, b = jax.random.normal(k[0], (2, 5, 8)), jax.random.normal(k[1], (2, 8, 3))
@@ -363,6 +433,13 @@ def test_train_step_updates_the_delayed_state_and_reports_sites(lm_setup):
     # the optimizer never saw the state: Adam's moments are the params' tree
     assert jax.tree.structure(state.opt_state[0].mu) == jax.tree.structure(params)
     assert step._cache_size() == 1  # the state's dtypes and structure are stable: one compile
+    # query, key and value read one input: equal x histories and scales, so that the first
+    # reader's x scale serving all three (fp8.dot_general) changes no value
+    attn = "TransformerLM/DecoderBlock_0/MultiHeadDotProductAttention_0"
+    q, k, v = (state.fp8_state.sites[f"{attn}/{n}/dot_general"] for n in ("query", "key", "value"))
+    for other in (k, v):
+        np.testing.assert_array_equal(other.amax_history[0], q.amax_history[0])
+        assert float(other.scale[0]) == float(q.scale[0])
 
 
 def test_delayed_scaling_differs_from_current_and_uses_the_state(lm_setup):
