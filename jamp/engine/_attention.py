@@ -180,9 +180,12 @@ def fuse(eqn, vals, engine: Engine, where: str) -> Optional[list]:
     p_side = [roles[one[a]] for a in p_free]
     v_side = [("v", j) for j in range(len(v_f))]
     want += p_side + v_side if i == 0 else v_side + p_side
-    out = jnp.transpose(out, [have.index(r) for r in want])
+    perm = [have.index(r) for r in want]
+    out = jnp.transpose(out, perm).astype(engine.out_dtype(eqn, dtype))
     _record(where, how, why)
-    return [out.astype(engine.out_dtype(eqn, dtype))]
+    if how == "cudnn":  # cuDNN's backward reads its output: the backward pass keeps it anyway
+        engine.saved(out, perm)
+    return [out]
 
 
 def _record(where: str, how: str, why: str) -> None:

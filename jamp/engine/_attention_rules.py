@@ -164,12 +164,14 @@ def _concrete_in_layout(x, atom, scope, sym: Sym) -> Optional[np.ndarray]:
 @dataclasses.dataclass
 class Engine:
     """What the rules need from the interpreter: evaluate an equation as the engine would
-    (inputs real), the compute dtype an equation runs in (None: as traced), and the dtype its
-    matmul result is carried in."""
+    (inputs real), the compute dtype an equation runs in (None: as traced), the dtype its
+    matmul result is carried in, and where to say that a result is one the backward pass keeps
+    anyway (a fused kernel's output, which its own backward reads)."""
 
     evaluate: Callable[[Any, list], list]
     dtype_for: Callable[[Any], Optional[np.dtype]]
     out_dtype: Callable[[Any, np.dtype], np.dtype]
+    saved: Callable[[Any, list], None] = lambda x, perm: None  # x = transpose(kept, perm)
 
 
 def _like(sym: Sym, **changes) -> Sym:

@@ -54,6 +54,31 @@ class _Ctx:
     prefix: str = ""
     fuse_attention: bool = True  # run recognised attention as one call (`jamp.attention`)
     sites: dict = dataclasses.field(default_factory=dict, compare=False)
+    # id -> (value, perm): `value` is `transpose(kept, perm)` of a 16-bit array `kept` that the
+    # backward pass keeps anyway (a fused attention's output): an fp8 matmul reading `kept`
+    # itself (or a reshape of it) keeps it, not an fp8 copy of it (`jamp.fp8.dot_general`)
+    saved: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    def saved_perm(self, x) -> Optional[tuple]:
+        held = self.saved.get(id(x))
+        return held[1] if held is not None and held[0] is x else None
+
+    def is_saved(self, x) -> bool:
+        perm = self.saved_perm(x)
+        return perm is not None and perm == tuple(range(len(perm)))
+
+    def save(self, x, perm=None) -> None:
+        self.saved[id(x)] = (x, tuple(range(np.ndim(x))) if perm is None else tuple(perm))
+
+    def follow(self, eqn, x, out) -> None:
+        """Saved values through layout operations: reshapes of the array itself, transposes."""
+        perm = self.saved_perm(x)
+        if perm is None:
+            return
+        if eqn.primitive.name == "transpose":
+            self.save(out, [perm[a] for a in jax_compat.param(eqn, "permutation")])
+        elif eqn.primitive.name in ("reshape", "squeeze", "expand_dims") and self.is_saved(x):
+            self.save(out)  # the same values in another shape: a bitcast in XLA
 
 
 def _stateless(ctx: _Ctx) -> _Ctx:
@@ -136,7 +161,16 @@ def _fp8_dot(eqn, invals, compute_dtype, ctx: _Ctx, placed):
         site = fp8.site_name(stack, fp8.site_counts(ctx.sites))
     out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)
     dims = jax_compat.param(eqn, "dimension_numbers")
-    return [fp8.dot_general(*invals, dims, out_dtype, site, V.placed_for(placed, compute_dtype))]
+    return [
+        fp8.dot_general(
+            *invals,
+            dims,
+            out_dtype,
+            site,
+            V.placed_for(placed, compute_dtype),
+            keep_lhs=ctx.is_saved(invals[0]),
+        )
+    ]
 
 
 def _eval_as_traced(eqn, invals, compute_dtype, ctx: _Ctx, weak=None, placed=None):
@@ -339,6 +373,7 @@ def _fuser(jaxpr, consts, ctx: _Ctx, dtype_for, evaluate) -> Optional[_attention
             lambda eqn, invals: evaluate(eqn, invals)[0],
             lambda eqn: _attention_dtype(dtype_for(eqn)),
             lambda eqn, dtype: _matmul_out_dtype(eqn, dtype, ctx),
+            ctx.save,
         ),
         lambda eqn: _module_path(ctx.prefix, eqn),
     )
@@ -423,6 +458,8 @@ def _eval(
             if followed is not None:
                 place_env[eqn.outvars[0]] = followed
         outs, outs_weak = evaluate(eqn, invals, where)
+        if ctx.saved and len(invals) == 1:
+            ctx.follow(eqn, invals[0], outs[0])
         for var, val, w in zip(eqn.outvars, outs, outs_weak):
             if not isinstance(var, jcore.DropVar):
                 env[var] = val
