@@ -150,10 +150,12 @@ def _row(label, report, batch):
     }
 
 
-def gpt2_part(quick: bool, log) -> list[dict]:
+def gpt2_part(quick: bool, log, only=None) -> list[dict]:
     batches = (8, 16) if quick else (8, 16, 32)
     rows = []
     for label, policy, activations in JAMP_ROWS:
+        if only and policy != only:
+            continue
         recipe = gpt2_recipe(policy, activations, quick)
         reports = {b: plan.compile_at(recipe, b, plan.NO_REMAT) for b in batches}
         rows += [_row(label, r, b) for b, r in reports.items()]
@@ -161,7 +163,7 @@ def gpt2_part(quick: bool, log) -> list[dict]:
             lambda b, r=recipe: plan.compile_at(r, b, plan.NO_REMAT).memory.peak, reports, quick
         )
         log(rows[-len(batches) :])
-    for label, attention in HAND_ROWS:
+    for label, attention in () if only else HAND_ROWS:
         reports = {b: hand_report(attention, b, quick, plan.NO_REMAT) for b in batches}
         rows += [_row(label, r, b) for b, r in reports.items()]
         rows[-1]["largest"] = _largest(
@@ -187,7 +189,7 @@ def _largest(peak_at, reports, quick):
     }
 
 
-def decoder_part(quick: bool, log) -> list[dict]:
+def decoder_part(quick: bool, log, only=None) -> list[dict]:
     rows = []
     sizes = ("smoke",) if quick else ("", "7b")
     layouts = [
@@ -196,6 +198,7 @@ def decoder_part(quick: bool, log) -> list[dict]:
         ("data=2,fsdp=4", "sharded", "data=2,fsdp=4"),
     ]
     policies = ("mixed_bfloat16",) if quick else ("mixed_bfloat16", "mixed_fp8")
+    policies = tuple(p for p in policies if not only or p == only)
     for size in sizes:
         for policy in policies:
             for layout, parallelism, mesh in layouts:
@@ -240,7 +243,9 @@ def decoder_part(quick: bool, log) -> list[dict]:
     return rows
 
 
-def models_part(quick: bool, log) -> list[dict]:
+def models_part(quick: bool, log, only=None) -> list[dict]:
+    if only:  # its variants are not policies
+        return []
     batch = 8
     rows = []
     for name in gpu_compile_models.MODELS:
@@ -261,11 +266,25 @@ def models_part(quick: bool, log) -> list[dict]:
 PARTS = {"gpt2": gpt2_part, "decoders": decoder_part, "models": models_part}
 
 
+def _replaced(rows: list[dict], new: list[dict]) -> list[dict]:
+    """`rows` with those of the same label and batch as a row of `new` replaced by it, in place;
+    the rest of `new` appended."""
+    fresh = {(r["label"], r["batch"]): r for r in new}
+    out = [fresh.pop((r["label"], r["batch"]), r) for r in rows]
+    return out + list(fresh.values())
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=(*PARTS, "all"), default="all")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(RESULTS / "gpu_compile_h200"))
+    parser.add_argument(
+        "--policy",
+        choices=sorted({policy for _, policy, _ in JAMP_ROWS}),
+        help="rerun only this policy's rows of jamp (e.g. mixed_fp8 after an fp8 change), "
+        "replacing them in the results and recording the rerun beside the part's own run",
+    )
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -286,9 +305,19 @@ def main(argv=None):
     for part, run in PARTS.items():
         if args.part in (part, "all"):
             started = time.time()
-            results[part] = run(args.quick, log)
-            # each part says when, where and by which command it ran: parts run apart
-            results.setdefault("runs", {})[part] = run_record(command, time.time() - started)
+            rows = run(args.quick, log, args.policy)
+            record = run_record(command, time.time() - started)
+            if args.policy:
+                if not rows:
+                    continue
+                results[part] = _replaced(results.get(part, []), rows)
+                record["rows"] = args.policy
+                runs = results.setdefault("runs", {}).setdefault(part, {})
+                runs.setdefault("reruns", []).append(record)
+            else:
+                results[part] = rows
+                # each part says when, where and by which command it ran: parts run apart
+                results.setdefault("runs", {})[part] = record
             raw.write_text(json.dumps(results, indent=1))
     write(results, out, fraction=memory_fraction(), target=get_target("h200"))
     return 0

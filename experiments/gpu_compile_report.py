@@ -170,11 +170,18 @@ _TITLES = {"gpt2": "GPT-2 small", "decoders": "decoders", "models": "NNX models"
 def _runs(results) -> list[str]:
     lines = []
     for part, run in results.get("runs", {}).items():
-        if results.get(part):
+        if results.get(part) and "date" in run:
             lines.append(
                 f"- {_TITLES.get(part, part)}: {run['date']}, compiled on {run['machine']}; "
                 f"{run['versions']}. Command: `{run['command']}` ({run['minutes']} min"
                 + (f"; {run['note']}" if run.get("note") else "")
+                + ")."
+            )
+        for again in run.get("reruns", []) if results.get(part) else ():
+            lines.append(
+                f"  - its {again['rows']} rows rerun {again['date']} on {again['machine']}; "
+                f"{again['versions']}. Command: `{again['command']}` ({again['minutes']} min"
+                + (f"; {again['note']}" if again.get("note") else "")
                 + ")."
             )
     return lines + [""] if lines else []

@@ -64,9 +64,17 @@ def test_gpu_compile_report_writes_its_tables_each_parts_run_and_the_plot(tmp_pa
         ],
         "models": [_row("Tunix Llama 3: jamp mixed_bfloat16", 8, 2 * GIB, fused_attention=4)],
         "runs": {
-            "gpt2": gpu_compile_report.run_record(
-                "python experiments/gpu_compile.py --part gpt2", 120
-            ),
+            "gpt2": {
+                **gpu_compile_report.run_record(
+                    "python experiments/gpu_compile.py --part gpt2", 120
+                ),
+                "reruns": [
+                    {
+                        **gpu_compile_report.run_record("python g.py --policy mixed_fp8", 180),
+                        "rows": "mixed_fp8",
+                    }
+                ],
+            },
             "models": {
                 **gpu_compile_report.run_record("python x.py --part models", 60),
                 "date": "2026-01-02",
@@ -83,6 +91,11 @@ def test_gpu_compile_report_writes_its_tables_each_parts_run_and_the_plot(tmp_pa
         and "`python experiments/gpu_compile.py --part gpt2` (2 min)" in text
     )
     assert "`python x.py --part models` (1 min; beside another run)." in text
+    # a policy's rows rerun later (`--policy`) say so under their part's run
+    assert (
+        "\n  - its mixed_fp8 rows rerun " in text
+        and "`python g.py --policy mixed_fp8` (3 min)" in text
+    )
     assert "- NNX models: 2026-01-02, compiled on " in text and "- decoders:" not in text
     assert (
         "| Tunix Llama 3: jamp mixed_bfloat16 | 8 | 2.00 | 3.00 | f32 1.00, bf16 1.00 | 4 / 12 |"
@@ -117,3 +130,16 @@ def test_gpu_compile_wrapped_lm_fuses_attention_and_keeps_what_hand_written_bf16
         assert report.fp32_gemms() == [], policy
         ratio = report.memory.temporaries / hand.memory.temporaries
         assert ratio <= 1.05, (policy, ratio)
+
+
+def test_gpu_compile_policy_rerun_replaces_its_rows_in_place():
+    import gpu_compile
+
+    old = [_row(label, b, GIB) for label in ("bf16", "fp8", "hand") for b in (8, 16)]
+    new = [_row("fp8", 8, 2 * GIB), _row("fp8", 16, 3 * GIB), _row("fp8", 32, 4 * GIB)]
+    got = gpu_compile._replaced(old, new)
+    assert [(r["label"], r["batch"]) for r in got] == [(r["label"], r["batch"]) for r in old] + [
+        ("fp8", 32)
+    ]
+    assert [r["temp"] // GIB for r in got if r["label"] == "fp8"] == [2, 3, 4]
+    assert [r for r in got if r["label"] != "fp8"] == [r for r in old if r["label"] != "fp8"]
