@@ -21,7 +21,7 @@ peak; no speed):
 
 Every step is compiled without XLA's rematerialization pass (jamp.train.plan.NO_REMAT): near
 the memory's size XLA recomputes activations to make a step fit, and the peak would stop
-saying what the batch needs. Needs JAX's CUDA plugin (pip install 'jamp[gpu-compile]'); writes
+saying what the batch needs. Needs JAX's CUDA plugin (pip install 'jamp-jax[gpu-compile]'); writes
 experiments/results/gpu_compile_h200.md and .png (quick: under --out).
 """
 

@@ -1,6 +1,6 @@
 """NVIDIA GPUs as compile targets on any machine: a step's real GPU program without the GPU.
 
-JAX compiles for a GPU that is not there: the CUDA plugin (`pip install 'jamp[gpu-compile]'`,
+JAX compiles for a GPU that is not there: the CUDA plugin (`pip install 'jamp-jax[gpu-compile]'`,
 no driver needed) describes a topology of GPUs from a target config, and a step lowered for
 those devices with abstract arguments compiles to the program XLA would run on them, with its
 buffer assignment. `compile_for` does that for any jitted step and reads the result
@@ -203,7 +203,7 @@ def _topology(gpu: Gpu, hosts: int, per_host: int):
 
     if not plugin_available():
         raise TargetUnavailable(
-            "compiling for a GPU target needs JAX's CUDA plugin: pip install 'jamp[gpu-compile]' "
+            "compiling for a GPU target needs JAX's CUDA plugin: pip install 'jamp-jax[gpu-compile]' "
             "(jax-cuda12-plugin at jaxlib's version; no GPU or driver needed)"
         )
     try:

@@ -29,7 +29,7 @@ def installed(tmp_path_factory):
         capture_output=True,
         cwd=tmp,
     )
-    (wheel,) = wheels.glob("jamp-*.whl")
+    (wheel,) = wheels.glob("jamp_jax-*.whl")
     env_dir = tmp / "venv"
     venv.create(env_dir, with_pip=False)
     python = env_dir / "bin" / "python"

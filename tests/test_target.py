@@ -4,7 +4,7 @@ Every claim about GPU kernels, dtypes, collectives and memory is read from the p
 compiles for the target: GEMMs (cuBLAS / Triton fusions / cuDNN convolutions), fp8 cuBLASLt
 calls, FSDP collectives, the buffer assignment. Compiling for a GPU is slow here (10-40 s a
 program), so each program serves several checks: one program holds the five models whose
-dtypes are checked under a policy. Needs JAX's CUDA plugin (`pip install 'jamp[gpu-compile]'`,
+dtypes are checked under a policy. Needs JAX's CUDA plugin (`pip install 'jamp-jax[gpu-compile]'`,
 CI's newest end); without it these tests skip, saying so.
 """
 
@@ -24,7 +24,7 @@ from jamp.models import ResNet, SeedCNN, TransformerLM, nnx_models
 
 needs_plugin = pytest.mark.skipif(
     not target_lib.plugin_available(),
-    reason="JAX's CUDA plugin is not installed (pip install 'jamp[gpu-compile]')",
+    reason="JAX's CUDA plugin is not installed (pip install 'jamp-jax[gpu-compile]')",
 )
 
 H200 = "h200"

@@ -17,7 +17,7 @@ from jamp.train import plan
 
 needs_plugin = pytest.mark.skipif(
     not target_lib.plugin_available(),
-    reason="JAX's CUDA plugin is not installed (pip install 'jamp[gpu-compile]')",
+    reason="JAX's CUDA plugin is not installed (pip install 'jamp-jax[gpu-compile]')",
 )
 GIB = 1 << 30
 

@@ -70,7 +70,7 @@ _COMPILE_FOR = flags.DEFINE_string(
     "xN GPUs per host, e.g. h200x8; 'Mx h200x8' for M hosts): print its memory per device, "
     "GEMMs, attention and collectives, whether it fits, and the largest global batch that does. "
     "Nothing is allocated, no data is read; needs JAX's CUDA plugin (pip install "
-    "'jamp[gpu-compile]'), not a GPU.",
+    "'jamp-jax[gpu-compile]'), not a GPU.",
 )
 _SEARCH_BATCH = flags.DEFINE_bool(
     "search_batch", True, "With --compile_for: search the largest global batch that fits."
