@@ -1,7 +1,8 @@
 """Loss scales (no-op, static, dynamic) as pytrees that keep every field through JAX transforms.
 
-They keep jmp's interface (`loss_scale`, `scale`, `unscale`, `adjust`), so code written for
-`jmp.*LossScale` runs unchanged. Unlike jmp 0.0.4 they keep every setting through
+They keep jmp's interface (its constructors, positional and keyword, and `loss_scale`,
+`counter`, `period`, `factor`, `min_loss_scale`, `scale`, `unscale`, `adjust`), so code written
+for `jmp.*LossScale` runs unchanged, with the same numbers step for step. Unlike jmp 0.0.4 they keep every setting through
 `jax.tree_util`, `jit`, `pmap`, AOT lowering and checkpoints: state values are leaves, settings
 are static treedef data, and nothing is validated or converted when JAX rebuilds them.
 
@@ -11,6 +12,7 @@ Example:
   >>> ls = ls.adjust(all_finite(grads))
 """
 
+import dataclasses
 import math
 from typing import Any, TypeVar, Union
 
@@ -165,6 +167,63 @@ def _check_config(scale, growth_interval, growth_factor, backoff_factor, hystere
         raise bad(f"need min_loss_scale <= loss_scale <= max_loss_scale, got {lo}, {value}, {hi}")
 
 
+_DEFAULT_MAX = 2.0**24
+
+
+def _resolve_jmp_names(period, factor, growth_interval, growth_factor, backoff_factor):
+    """jamp's (growth_interval, growth_factor, backoff_factor) from either naming.
+
+    jmp's `period` is `growth_interval`; its `factor` grows by `factor` and backs off by
+    `1 / factor`. Giving one setting under both names is an error, not a silent choice.
+    """
+
+    def both(jmp_name, own_names):
+        return ValueError(
+            f"DynamicLossScale: give {jmp_name} (jmp's name) or {own_names}, not both"
+        )
+
+    if period is not None:
+        if growth_interval is not None:
+            raise both("period", "growth_interval")
+        growth_interval = period
+    if factor is not None:
+        if growth_factor is not None or backoff_factor is not None:
+            raise both("factor", "growth_factor / backoff_factor")
+        if not _is_number(factor) or not factor > 1:
+            raise ValueError(f"DynamicLossScale: factor must be a number > 1, got {factor!r}")
+        growth_factor, backoff_factor = factor, 1.0 / factor
+    return (
+        2000 if growth_interval is None else growth_interval,
+        2.0 if growth_factor is None else growth_factor,
+        0.5 if backoff_factor is None else backoff_factor,
+    )
+
+
+def _static_number(name: str, value: Any) -> Any:
+    """A concrete 0-d array (jmp keeps `min_loss_scale` as one) as a Python float; a traced one
+    is an error, since the bound is static configuration."""
+    if isinstance(value, (np.ndarray, np.generic, jax.Array)) and np.ndim(value) == 0:
+        try:
+            return float(value)
+        except jax.errors.ConcretizationTypeError:
+            raise ValueError(
+                f"DynamicLossScale: {name} must be a concrete number (it is static "
+                "configuration), got a traced value"
+            ) from None
+    return value
+
+
+def _default_max(loss_scale: Any) -> float:
+    """2**24, or a larger concrete initial scale (jmp has no upper bound: a jmp call starting
+    above 2**24 keeps working; the scale then never grows past where it started)."""
+    try:
+        value = float(loss_scale)
+    except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
+        return _DEFAULT_MAX
+    # A scale past fp32's range stays an error, reported as the scale's (by _check_config).
+    return max(_DEFAULT_MAX, value) if _positive_finite_in_fp32(value) else _DEFAULT_MAX
+
+
 @struct.dataclass
 class DynamicLossScale:
     """A loss scale that grows while gradients stay finite and backs off when they overflow.
@@ -183,6 +242,7 @@ class DynamicLossScale:
         hysteresis_left -= 1            # not reset by a backoff, only by a growth
         if hysteresis_left <= 0:
           loss_scale = max(loss_scale * backoff_factor, min_loss_scale)
+          # (loss_scale / growth_factor when backoff_factor == 1 / growth_factor, as jmp)
 
     Leaves (state): `loss_scale` (fp32 scalar, whatever dtype it was given in, since fp16
     cannot hold 2**16), `counter` and `hysteresis_left` (int32 scalars; the latter is stored
@@ -190,14 +250,26 @@ class DynamicLossScale:
     static configuration. The constructor validates a fresh scale; when JAX rebuilds one
     (unflatten, `replace`, checkpoint restore, both state keywords given) nothing is checked.
 
+    The constructor takes jmp's `DynamicLossScale` arguments, positionally and by keyword, with
+    jmp's meaning: `DynamicLossScale(loss_scale, counter, period, factor, min_loss_scale)`
+    grows by `factor` every `period` finite steps and backs off by `1 / factor`; `.period` and
+    `.factor` read them back. jamp's own settings are keyword-only. Each setting takes one of
+    its two names (`period` or `growth_interval`, `factor` or `growth_factor` /
+    `backoff_factor`); both is an error.
+
     Args:
       loss_scale: initial scale.
-      growth_interval: consecutive finite steps before the scale grows (int >= 1).
-      growth_factor: growth multiplier, > 1.
-      backoff_factor: backoff multiplier, in (0, 1).
-      hysteresis: overflows tolerated before a backoff (int >= 1).
-      min_loss_scale, max_loss_scale: bounds, 0 < min <= loss_scale <= max < inf.
-      counter, hysteresis_left: state to restore; omit both for a fresh scale.
+      counter: finite steps since the last growth or overflow (jmp's second argument); 0 for a
+        fresh scale.
+      period: jmp's name for `growth_interval`.
+      factor: jmp's single factor: `growth_factor=factor`, `backoff_factor=1 / factor`.
+      min_loss_scale: lower bound, > 0 (a Python number or a concrete 0-d array, as jmp's).
+      growth_interval: consecutive finite steps before the scale grows (int >= 1; 2000).
+      growth_factor: growth multiplier, > 1 (2.0).
+      backoff_factor: backoff multiplier, in (0, 1) (0.5).
+      hysteresis: overflows tolerated before a backoff (int >= 1; 1).
+      max_loss_scale: upper bound, < inf; by default 2**24, or the initial scale if larger.
+      hysteresis_left: with `counter`, state to restore; omit it for a fresh scale.
 
     Example:
       >>> ls = DynamicLossScale(2.0**15, growth_interval=100)
@@ -218,20 +290,28 @@ class DynamicLossScale:
 
     def __init__(
         self,
-        loss_scale=2.0**16,
-        growth_interval=2000,
-        growth_factor=2.0,
-        backoff_factor=0.5,
-        hysteresis=1,
-        min_loss_scale=1.0,
-        max_loss_scale=2.0**24,
+        loss_scale: Any = 2.0**16,
+        counter: Any = _FRESH,
+        period: int | None = None,
+        factor: float | None = None,
+        min_loss_scale: Any = 1.0,
         *,
-        counter=_FRESH,
-        hysteresis_left=_FRESH,
+        growth_interval: int | None = None,
+        growth_factor: float | None = None,
+        backoff_factor: float | None = None,
+        hysteresis: int = 1,
+        max_loss_scale: float | None = None,
+        hysteresis_left: Any = _FRESH,
     ):
+        growth_interval, growth_factor, backoff_factor = _resolve_jmp_names(
+            period, factor, growth_interval, growth_factor, backoff_factor
+        )
         fresh = counter is _FRESH or hysteresis_left is _FRESH
         if fresh:
             # Only a user's call gets here, so converting and reading values is safe.
+            min_loss_scale = _static_number("min_loss_scale", min_loss_scale)
+            if max_loss_scale is None:
+                max_loss_scale = _default_max(loss_scale)
             _check_config(
                 loss_scale,
                 growth_interval,
@@ -247,8 +327,12 @@ class DynamicLossScale:
             loss_scale = jnp.asarray(loss_scale, jnp.float32)
             if counter is _FRESH:
                 counter = jnp.zeros((), jnp.int32)
+            else:
+                counter = jnp.asarray(counter, jnp.int32)
             if hysteresis_left is _FRESH:
                 hysteresis_left = jnp.asarray(hysteresis, jnp.int32)
+        elif max_loss_scale is None:
+            max_loss_scale = _DEFAULT_MAX
         for name, value in (
             ("loss_scale", loss_scale),
             ("counter", counter),
@@ -261,6 +345,42 @@ class DynamicLossScale:
             ("max_loss_scale", max_loss_scale),
         ):
             object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_flax(cls, dynamic_scale: Any) -> "DynamicLossScale":
+        """The same schedule and state as a `flax.training.dynamic_scale.DynamicScale`.
+
+        Flax grows on the finite step after `growth_interval` finite ones (its counter must
+        equal the interval before a finite step grows), so its interval N is jamp's N + 1;
+        `fin_steps` is jamp's `counter`; no `minimum_scale` (None) is fp32's smallest normal
+        number; Flax's growth stops at fp32's largest, which becomes `max_loss_scale`.
+
+        Example:
+          >>> from flax.training.dynamic_scale import DynamicScale
+          >>> DynamicLossScale.from_flax(DynamicScale(growth_interval=10)).growth_interval
+          11
+        """
+        ds = dynamic_scale
+        minimum = ds.minimum_scale
+        return cls(
+            ds.scale,
+            counter=ds.fin_steps,
+            growth_interval=int(ds.growth_interval) + 1,
+            growth_factor=ds.growth_factor,
+            backoff_factor=ds.backoff_factor,
+            min_loss_scale=_FP32_TINY if minimum is None else minimum,
+            max_loss_scale=_FP32_MAX,
+        )
+
+    @property
+    def period(self) -> int:
+        """jmp's name for `growth_interval`."""
+        return self.growth_interval
+
+    @property
+    def factor(self) -> float:
+        """jmp's name for `growth_factor` (jmp backs off by `1 / factor`)."""
+        return self.growth_factor
 
     def scale(self, tree: T) -> T:
         return _multiply(tree, self.loss_scale)
@@ -284,14 +404,19 @@ class DynamicLossScale:
         back_off = ~finite & (left_after_overflow <= 0)
         scale = self.loss_scale
         scale = jnp.where(grow, jnp.minimum(scale * self.growth_factor, self.max_loss_scale), scale)
-        scale = jnp.where(
-            back_off, jnp.maximum(scale * self.backoff_factor, self.min_loss_scale), scale
-        )
+        if self.backoff_factor == 1.0 / self.growth_factor:
+            # jmp's single factor: it divides, which differs from multiplying by the rounded
+            # reciprocal in the last bit unless the factor is a power of two.
+            backed_off = scale / self.growth_factor
+        else:
+            backed_off = scale * self.backoff_factor  # as GradScaler
+        scale = jnp.where(back_off, jnp.maximum(backed_off, self.min_loss_scale), scale)
         counter = jnp.where(finite & ~grow, counter, 0)
         left = jnp.where(finite, self.hysteresis_left, left_after_overflow)
         left = jnp.where(grow, self.hysteresis, left)
         # Explicit dtypes: a weak-typed leaf would change the treedef's avals and recompile.
-        return self.replace(
+        return dataclasses.replace(
+            self,
             loss_scale=scale.astype(jnp.float32),
             counter=counter.astype(jnp.int32),
             hysteresis_left=left.astype(jnp.int32),

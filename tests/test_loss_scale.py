@@ -466,12 +466,15 @@ def test_dynamic_defaults():
         (dict(backoff_factor=0.0), "backoff_factor"),
         (dict(min_loss_scale=0.0), "min_loss_scale"),
         (dict(loss_scale=0.5), "min_loss_scale <= loss_scale"),
-        (dict(loss_scale=2.0**25), "loss_scale <= max_loss_scale"),
+        (dict(loss_scale=2.0**25, max_loss_scale=2.0**24), "loss_scale <= max_loss_scale"),
         (dict(min_loss_scale=4.0, max_loss_scale=2.0, loss_scale=3.0), "min_loss_scale"),
         (dict(max_loss_scale=math.inf), "max_loss_scale"),
         (dict(loss_scale=jnp.float16(65504) * 2), "loss_scale"),  # fp16 2**16 is inf
         (dict(loss_scale=jnp.ones(2)), "scalar"),
-        (dict(min_loss_scale=jnp.float32(1.0)), "min_loss_scale"),
+        (dict(min_loss_scale=jnp.ones(2)), "min_loss_scale"),
+        (dict(period=10, growth_interval=10), "period .* or growth_interval, not both"),
+        (dict(factor=2, backoff_factor=0.5), "factor .* not both"),
+        (dict(factor=1), "factor must be a number > 1"),
     ],
 )
 def test_dynamic_constructor_validates(kwargs, message):

@@ -207,7 +207,9 @@ def test_train_step_injected_overflows_each_cost_one_skipped_step_and_nothing_el
     # A two-block ResNet from jamp.models: convolutions, projection shortcut, 6 BatchNorms.
     model = jamp.wrap(ResNet(stage_sizes=(1, 1), num_filters=4), "mixed_float16")
     tx = optax.adam(1e-3)
-    loss_scale = DynamicLossScale(initial, interval, min_loss_scale=lo, max_loss_scale=hi)
+    loss_scale = DynamicLossScale(
+        initial, growth_interval=interval, min_loss_scale=lo, max_loss_scale=hi
+    )
     clean = batches_of(*synthetic_images(25 * batch_size, shape, seed=0), batch_size)
     step = jax.jit(jamp.make_train_step(make_loss_fn(model), tx))
     state = initial = init_state(model, tx, loss_scale, shape)
