@@ -66,7 +66,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import zlib
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Self, Sequence
 
 import jax.numpy as jnp
 import jmp
@@ -115,6 +115,10 @@ class AdaptiveState:
     floor_blamed: Any
     fingerprint: Any
     modules: tuple[str, ...] = struct.field(pytree_node=False, default=())
+
+    if TYPE_CHECKING:  # flax.struct.dataclass adds it at run time; declared for type checkers
+
+        def replace(self, **updates: Any) -> Self: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +201,7 @@ def blame(
     # A non-finite cotangent flows back into every module before the one whose backward made it,
     # and that module's own weight gradient may stay finite: blame the last overflowed group in
     # call order and the module after it (the one whose input gradient may have overflowed).
+    assert order is not None  # a call order ranked every group
     top = [p for p in order if p and "/" not in p]
     last = max(groups, key=ranked.index)
     after = top[top.index(last) + 1 : top.index(last) + 2] if last in top else []
@@ -260,7 +265,7 @@ class Controller:
             modules=self.modules,
         )
 
-    def _fingerprint(self) -> np.ndarray:
+    def _fingerprint(self) -> np.int32:
         return np.int32(zlib.crc32("\n".join(self.modules).encode()) & 0x7FFFFFFF)
 
     def check(self, state: AdaptiveState) -> None:

@@ -58,7 +58,7 @@ def _scope_rules(pairs) -> ComputeFor:
         dtype = chosen[stack]
         return inherited if dtype is _INHERIT else dtype
 
-    choose.reads_scope_prefix = True
+    choose.reads_scope_prefix = True  # type: ignore[attr-defined]  # a function attribute (mypy#2087)
     return choose
 
 
@@ -115,7 +115,7 @@ def autocast(
       loss = jamp.autocast(lambda w, x: jnp.tanh(x @ w).sum(), "mixed_bfloat16")(w, x)
     """
     policy = precision.get_policy(policy)
-    pairs = []
+    pairs: list[tuple[object, Any]] = []  # (pattern or _NORM_SCOPES, policy)
     for pattern, p in (overrides or {}).items():
         if not isinstance(pattern, str):
             raise TypeError(

@@ -45,7 +45,7 @@ import contextvars
 import dataclasses
 import functools
 import re
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Self, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -143,6 +143,10 @@ class Fp8State:
     sites: dict
     recipe: str = struct.field(pytree_node=False, default="delayed")
     margin: float = struct.field(pytree_node=False, default=0.0)
+
+    if TYPE_CHECKING:  # flax.struct.dataclass adds it at run time; declared for type checkers
+
+        def replace(self, **updates: Any) -> Self: ...
 
     @property
     def history(self) -> int:
@@ -385,6 +389,7 @@ def _x_scale(scope: Optional[_Scope], lhs, entry: Site, shared: bool, delayed, m
     all-reduce of the amax instead of one per site (XLA cannot merge collectives).
     """
     if shared:
+        assert scope is not None  # shared only with a scope's state
         held = scope.first_reader.get(id(lhs))
         if held is not None and held[0] is lhs:
             return held[1:]
@@ -392,6 +397,7 @@ def _x_scale(scope: Optional[_Scope], lhs, entry: Site, shared: bool, delayed, m
     ax = _amax(x)
     sx = _scale(jax.tree.map(lax.stop_gradient, entry), 0, lambda: _amax(x), delayed, margin)
     if shared:
+        assert scope is not None
         scope.first_reader[id(lhs)] = (lhs, ax, sx)
     return ax, sx
 
@@ -473,6 +479,7 @@ def dot_general(
     state = scope.state if scope is not None else None
     shared = False
     if state is not None and site in state.sites:
+        assert scope is not None  # the state is the scope's
         scope.reached.add(site)
         delayed, margin, entry = state.recipe == "delayed", state.margin, state.sites[site]
         shared = True

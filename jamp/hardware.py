@@ -265,7 +265,10 @@ def _preset(policy: Any) -> str:
     dtypes = tuple(
         np.dtype(getattr(policy, f)) for f in ("param_dtype", "compute_dtype", "output_dtype")
     )
-    presets = {(F32, BF16, F32): "mixed_bfloat16", (F32, F16, F32): "mixed_float16"}
+    presets: dict[tuple[np.dtype, ...], str] = {
+        (F32, BF16, F32): "mixed_bfloat16",
+        (F32, F16, F32): "mixed_float16",
+    }
     presets.update({(F32, F32, F32): "float32", (BF16,) * 3: "bfloat16", (F16,) * 3: "float16"})
     return presets.get(dtypes, f"the policy computing in {dtypes[1].name}")
 

@@ -29,7 +29,7 @@ import functools
 import inspect
 import types
 import zlib
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, TypeGuard, TypeVar
 
 import jax
 import jmp
@@ -50,11 +50,14 @@ FP32_MODULES: tuple[type, ...] = (
 )
 
 
-def is_module(value) -> bool:
+def is_module(value) -> TypeGuard[nnx.Module]:
     return isinstance(value, nnx.Module)
 
 
-def _nodes(root, kind):
+_N = TypeVar("_N")
+
+
+def _nodes(root, kind: type[_N]) -> list[tuple[tuple, _N]]:
     """`(path, node)` for every node of `kind` in `root`'s graph (each shared node once)."""
     return [(path, node) for path, node in nnx.iter_graph(root) if isinstance(node, kind)]
 
@@ -291,7 +294,7 @@ class Functional:
         model = self.merge(params, model_state)
         if self.streams:
             keys = {s: jax.random.fold_in(rng, zlib.crc32(s.encode())) for s in self.streams}
-            nnx.reseed(model, **keys)
+            nnx.reseed(model, **keys)  # type: ignore[arg-type]  # keys: stream names, not graph= / policy=
         return model
 
     def loss_fn(self, loss: Callable) -> Callable:
@@ -329,5 +332,6 @@ def split(model: nnx.Module) -> tuple[Functional, Any, Any]:
     """
     if not is_module(model):
         raise TypeError(f"jamp.nnx.split expects an nnx.Module, got {type(model).__name__}.")
-    graphdef, params, rng_state, model_state = nnx.split(model, nnx.Param, nnx.RngState, ...)
+    graphdef, *states = nnx.split(model, nnx.Param, nnx.RngState, ...)
+    params, rng_state, model_state = states
     return Functional(graphdef, rng_state, _stream_names(rng_state)), params, model_state

@@ -118,7 +118,9 @@ def rules_from_metadata(variables: PyTree, logical_rules: Optional[Sequence] = N
             continue
         names = tuple(box.names)
         if isinstance(box, nn.LogicallyPartitioned):  # logical names, mapped onto mesh axes
-            names = tuple(nn.logical_to_mesh_axes(names, logical_rules or box.rules))
+            mesh_axes = nn.logical_to_mesh_axes(names, logical_rules or box.rules)
+            assert mesh_axes is not None  # None only for names=None
+            names = tuple(mesh_axes)
         rules.append(("/".join(path_keys(path)), names))
     return rules
 
@@ -190,8 +192,9 @@ def describe(state, mesh: Optional[Mesh] = None, rules: Optional[Rules] = None) 
     `state` is a placed `TrainState` (from `shard_state`: its placement is read from its arrays),
     or any `TrainState` with `mesh` (and the `rules` it would be placed with) given.
     """
-    plan = state_plan(state, mesh, rules) if mesh is not None else None
-    if mesh is None:
+    if mesh is not None:
+        plan = state_plan(state, mesh, rules)
+    else:
         mesh = next(iter(jax.tree.leaves(state))).sharding.mesh
         placed = [leaf.sharding.spec for leaf in jax.tree.leaves(state)]
         plan = [

@@ -57,6 +57,7 @@ BATCH_AXES = ("data", "fsdp")
 
 
 def _parse(spec: Union[str, Mapping[str, int]]) -> dict[str, int]:
+    items: list[tuple[str, Any]]  # (axis, size as given: int or text)
     if isinstance(spec, Mapping):
         items = [(str(k), v) for k, v in spec.items()]
     else:

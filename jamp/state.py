@@ -8,7 +8,7 @@ safe to pass through `jax.jit` and `jax.pmap` without static arguments.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Self
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +61,10 @@ class TrainState:
     skipped_steps: jax.Array
     fp8_state: Any = None
     adaptive_state: Any = None
+
+    if TYPE_CHECKING:  # flax.struct.dataclass adds it at run time; declared for type checkers
+
+        def replace(self, **updates: Any) -> Self: ...
 
     @classmethod
     def create(

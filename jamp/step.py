@@ -60,7 +60,7 @@ def _conform(new: PyTree, old: PyTree, what: str) -> PyTree:
     # jitted call compile again, and would break the lax.scan carry and select_tree below.
     if not jax.tree.leaves(old) and not jax.tree.leaves(new):
         return old  # a model without mutable state may hand back {} or None
-    if jax.tree.structure(new) != jax.tree.structure(old):
+    if jax.tree.structure(new) != jax.tree.structure(old):  # type: ignore[operator]  # PyTreeDef: jaxlib has no stub
         raise ValueError(
             f"{what} returned by the loss function has structure {jax.tree.structure(new)}, "
             f"but the state holds {jax.tree.structure(old)}; they must match."
@@ -107,6 +107,7 @@ def _split_microbatches(batch: PyTree, num_micro: int) -> PyTree:
     if len(sizes) != 1 or None in sizes:
         raise ValueError(f"every batch leaf needs the same leading batch axis; got sizes {sizes}.")
     size = sizes.pop()
+    assert size is not None  # refused above
     if size % num_micro:
         raise ValueError(
             f"batch size {size} (per device under pmap) is not divisible by "
@@ -297,7 +298,7 @@ def make_train_step(
         return new_state, metrics
 
     # Lets jamp.parallel refuse to pmap a step that would not average across replicas.
-    train_step.axis_name = axis_name
+    train_step.axis_name = axis_name  # type: ignore[attr-defined]  # a function attribute (mypy#2087)
     return train_step
 
 
@@ -330,5 +331,5 @@ def make_eval_step(
             metrics = lax.pmean(metrics, axis_name)
         return metrics
 
-    eval_step.axis_name = axis_name
+    eval_step.axis_name = axis_name  # type: ignore[attr-defined]  # a function attribute (mypy#2087)
     return eval_step

@@ -304,7 +304,7 @@ def compile_for(
 def _lower(fn, target: Target, mesh, args, kwargs):
     """`fn` lowered for `target` with abstract arguments, and the `compiling_for` record."""
     devices = target.devices
-    default = None
+    default: Optional[jax.sharding.Sharding] = None
     if mesh is not None:
         default = NamedSharding(mesh, P())
     elif target.num_devices == 1:

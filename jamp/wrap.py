@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional, overload
 
 import flax.linen as nn
 import jax
@@ -48,6 +48,9 @@ from jamp import overrides as overrides_lib
 from jamp import precision
 from jamp.engine import rewrite
 from jamp.precision import reduce_dtype
+
+if TYPE_CHECKING:
+    from flax import nnx
 
 PolicyLike = overrides_lib.PolicyLike
 OverrideKey = overrides_lib.OverrideKey
@@ -74,6 +77,7 @@ class _Paths:
 
     def of(self, module: nn.Module) -> tuple[str, ...]:
         own = tuple(str(p) for p in module.path)
+        assert module.scope is not None  # a bound module: it is running
         root = module.scope.root
         prefix = next((pre for r, pre in self._roots if r is root), None)
         if prefix is None:
@@ -221,13 +225,33 @@ class Wrapped(nn.Module):
         )
 
 
+@overload
 def wrap(
     module: nn.Module,
     policy: PolicyLike,
     overrides: Optional[Mapping[OverrideKey, PolicyLike]] = None,
     *,
     activations: str = "auto",
-) -> Wrapped:
+) -> Wrapped: ...
+
+
+@overload
+def wrap(
+    module: nnx.Module,
+    policy: PolicyLike,
+    overrides: Optional[Mapping[OverrideKey, PolicyLike]] = None,
+    *,
+    activations: str = "auto",
+) -> nnx.Module: ...
+
+
+def wrap(
+    module: nn.Module | nnx.Module,
+    policy: PolicyLike,
+    overrides: Optional[Mapping[OverrideKey, PolicyLike]] = None,
+    *,
+    activations: str = "auto",
+) -> Wrapped | nnx.Module:
     """Return `module` running under a precision policy, without editing the module.
 
     Args:

@@ -1,12 +1,15 @@
-"""jamp installed as users install it (a wheel, not the checkout): the program and its recipes."""
+"""jamp as it would be uploaded (sdist, wheel, their metadata) and installed as users install it
+(a wheel, not the checkout): the program and its recipes from an empty directory."""
 
 from __future__ import annotations
 
+import email.parser
 import pathlib
 import site
 import subprocess
 import sys
 import venv
+import zipfile
 
 import pytest
 from subproc import cli_env
@@ -16,20 +19,50 @@ pytestmark = pytest.mark.program
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    """A venv with jamp installed from a wheel of this checkout; the rest (jax, tfds, ...) is the
-    test environment's, put on the new venv's path after its own site-packages, so nothing is
+def dist(tmp_path_factory):
+    """The sdist and the wheel, as an upload would carry them: `python -m build` makes the sdist
+    from the checkout and the wheel from the sdist (so a file the sdist misses fails here), with
+    the test environment's setuptools (--no-isolation: nothing is downloaded)."""
+    out = tmp_path_factory.mktemp("dist")
+    build = subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", "-o", str(out), str(ROOT)],
+        capture_output=True,
+        text=True,
+        cwd=out,
+    )
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    (sdist,) = out.glob("jamp_jax-*.tar.gz")
+    (wheel,) = out.glob("jamp_jax-*-py3-none-any.whl")
+    return sdist, wheel
+
+
+def test_packaging_sdist_and_wheel_pass_the_index_metadata_check(dist):
+    sdist, wheel = dist
+    check = subprocess.run(
+        [sys.executable, "-m", "twine", "check", "--strict", str(sdist), str(wheel)],
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert check.stdout.count("PASSED") == 2
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        meta = email.parser.Parser().parsestr(z.read(metadata).decode())
+    # The distribution's name is ours; the import name, the program and the typing marker stay.
+    assert meta["Name"] == "jamp-jax" and meta["License-Expression"] == "Apache-2.0"
+    assert "jamp/py.typed" in names and "jamp/train/__main__.py" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    assert {"train", "gpu-compile", "docs"} <= set(meta.get_all("Provides-Extra"))
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory, dist):
+    """A venv with jamp installed from the wheel of this checkout; the rest (jax, tfds, ...) is
+    the test environment's, put on the new venv's path after its own site-packages, so nothing is
     downloaded (and the checkout's editable install, a .pth hook there, is not active)."""
     tmp = tmp_path_factory.mktemp("install")
-    wheels = tmp / "wheels"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
-        + ["-w", str(wheels), str(ROOT)],
-        check=True,
-        capture_output=True,
-        cwd=tmp,
-    )
-    (wheel,) = wheels.glob("jamp_jax-*.whl")
+    wheel = dist[1]
     env_dir = tmp / "venv"
     venv.create(env_dir, with_pip=False)
     python = env_dir / "bin" / "python"

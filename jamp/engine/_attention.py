@@ -77,7 +77,8 @@ def _masks(attn: Attn, roles_order, full_sizes):
             mask = m if mask is None else jnp.logical_and(mask, m)
     causal = False
     if known:
-        both = np.logical_and.reduce(np.broadcast_arrays(*known)) if len(known) > 1 else known[0]
+        # numpy 2.5's stubs read as Python 3.11 match no overload of reduce for any array
+        both = np.logical_and.reduce(np.broadcast_arrays(*known)) if len(known) > 1 else known[0]  # type: ignore[call-overload]
         combined = _to_bnts(both, roles_order, full_sizes, np)
         first = combined[:1, :1]
         t, s = combined.shape[-2:]

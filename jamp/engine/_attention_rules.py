@@ -83,6 +83,7 @@ def _in_layout(x, sym: Sym, xp=jnp):
     """A side value combined with `sym` (same rank or a scalar) in the first matmul's output
     layout: its merged axes split, transposed back from `sym`'s layout; None if it cannot be
     (a side value that varies within a merged axis in another way)."""
+    assert sym.attn is not None  # an attention's value, not a broadcast side value
     x = _small(x) if xp is jnp else np.asarray(x)
     if x.ndim == 0:
         return x.reshape((1,) * len(sym.attn.first.outvars[0].aval.shape))
@@ -108,6 +109,7 @@ def _one(sym: Sym, i: int) -> Optional[int]:
 def _regroup(sym: Sym, shape) -> Optional[tuple]:
     """The layout of `sym` reshaped to `shape`, if the reshape only merges or splits its axes
     along the first matmul's output axes (a reshape of heads into groups and back)."""
+    assert sym.attn is not None  # an attention's value, not a broadcast side value
     full = sym.attn.first.outvars[0].aval.shape
     atoms = [a for group in sym.perm for a in group]
     groups, at = [], 0
@@ -208,6 +210,7 @@ def _softmax_axis(attn: Attn, axis: int) -> bool:
 
 def _scaled(sym: Sym, factor) -> Optional[Sym]:
     attn = sym.attn
+    assert attn is not None  # the scores'
     if isinstance(factor, float):
         if not factor > 0:
             return None
@@ -304,6 +307,7 @@ def _relaid(sym: Sym, eqn) -> Optional[list]:
 def _kept_axis(sym: Sym, eqn) -> bool:
     """Whether `eqn` (a broadcast or reshape of a reduction) puts the reduced axis back."""
     src = sym.src
+    assert src is not None  # a reduction's
     where = src.perm.index((sym.axis,))
     out = tuple(eqn.outvars[0].aval.shape)
     want = src.shape[:where] + (1,) + src.shape[where + 1 :]

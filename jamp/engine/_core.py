@@ -22,9 +22,10 @@ ComputeFor = Callable[[jcore.JaxprEqn, Optional[np.dtype]], Optional[np.dtype]]
 def _choose(ctx: "_Ctx", eqn, inherited):
     """The compute dtype of `eqn`; a choice that reads scope paths (`jamp.autocast`'s overrides)
     also gets the name stack of the programs around this one, which the equation's own lacks."""
-    if getattr(ctx.compute_for, "reads_scope_prefix", False):
-        return ctx.compute_for(eqn, inherited, ctx.prefix)
-    return ctx.compute_for(eqn, inherited)
+    compute_for: Callable[..., Optional[np.dtype]] = ctx.compute_for  # maybe with a third argument
+    if getattr(compute_for, "reads_scope_prefix", False):
+        return compute_for(eqn, inherited, ctx.prefix)
+    return compute_for(eqn, inherited)
 
 
 def _changes(jaxpr: jcore.Jaxpr, compute_dtype, ctx: "_Ctx") -> bool:
@@ -161,14 +162,16 @@ def _fp8_dot(eqn, invals, compute_dtype, ctx: _Ctx, placed):
         site = fp8.site_name(stack, fp8.site_counts(ctx.sites))
     out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)
     dims = jax_compat.param(eqn, "dimension_numbers")
+    lhs, rhs = invals
     return [
         fp8.dot_general(
-            *invals,
+            lhs,
+            rhs,
             dims,
             out_dtype,
             site,
             V.placed_for(placed, compute_dtype),
-            keep_lhs=ctx.is_saved(invals[0]),
+            keep_lhs=ctx.is_saved(lhs),
         )
     ]
 
@@ -194,12 +197,14 @@ def _eval_as_traced(eqn, invals, compute_dtype, ctx: _Ctx, weak=None, placed=Non
         out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)
         dims = jax_compat.param(eqn, "dimension_numbers")
         where = V.placed_for(placed, compute_dtype)
-        return [mixed_ops.mixed_dot_general(*invals, dims, compute_dtype, out_dtype, where)]
+        lhs, rhs = invals
+        return [mixed_ops.mixed_dot_general(lhs, rhs, dims, compute_dtype, out_dtype, where)]
     if eqn.primitive is V.CONV and V.needs_rewrite(invals, compute_dtype):
         out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)
         where = V.placed_for(placed, compute_dtype)
         conv_dtype = fp8.carrier(compute_dtype)  # fp8 is for matmuls only
-        return [mixed_ops.mixed_conv(*invals, eqn.params, conv_dtype, out_dtype, where)]
+        lhs, rhs = invals
+        return [mixed_ops.mixed_conv(lhs, rhs, eqn.params, conv_dtype, out_dtype, where)]
     if jax_compat.is_kernel(eqn):  # a kernel runs as written, on its traced operand dtypes
         return V.bind(eqn, invals, eqn.params)
     if eqn.primitive.name == "shard_map":
@@ -274,7 +279,7 @@ def _reads_variables(eqn, weak) -> bool:
     """Whether an equation takes a weak float array that is a value, not a literal (a variable
     or what is made of variables alone)."""
     return any(
-        w and isinstance(v, jcore.Var) and v.aval.ndim and V.is_float_dtype(v.aval.dtype)
+        w and isinstance(v, jcore.Var) and v.aval.ndim and V.is_float_dtype(v.aval.dtype)  # type: ignore[attr-defined]  # a ShapedArray
         for w, v in zip(weak, eqn.invars)
     )
 
@@ -514,6 +519,6 @@ def eval_jaxpr(
     outs, _ = _eval(jaxpr, consts, args, compute_dtype, ctx, weak, placed)
     # A literal output (e.g. a constant returned by an inlined jit) comes back as an array.
     return [
-        jnp.asarray(o, v.aval.dtype) if isinstance(v, jcore.Literal) else V.cast(o, v.aval.dtype)
+        jnp.asarray(o, v.aval.dtype) if isinstance(v, jcore.Literal) else V.cast(o, v.aval.dtype)  # type: ignore[attr-defined]  # a ShapedArray
         for o, v in zip(outs, jaxpr.outvars)
     ]

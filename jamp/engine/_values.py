@@ -160,8 +160,8 @@ def body_weak(eqn, weak) -> dict:
         return {"branches": weak[1:]}  # after the branch index
     if name == "while":
         nc, nb = jax_compat.while_split(eqn)
-        carry = [False] * (len(weak) - nc - nb)
-        return {"cond_jaxpr": weak[:nc] + carry, "body_jaxpr": weak[nc : nc + nb] + carry}
+        carried = [False] * (len(weak) - nc - nb)
+        return {"cond_jaxpr": weak[:nc] + carried, "body_jaxpr": weak[nc : nc + nb] + carried}
     return {}
 
 

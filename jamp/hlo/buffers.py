@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Optional
 
 from jamp.hlo.text import _arrays
 
@@ -93,7 +94,9 @@ def _value_class(name: str, type_text: str) -> str:
 
 def parse_buffer_assignment(text: str) -> list[Allocation]:
     """The allocations of a `*buffer-assignment.txt` dump, each with its values."""
-    out, current, values = [], None, []
+    out: list[Allocation] = []
+    current: Optional[Allocation] = None
+    values: list[Value] = []
     for line in text.splitlines():
         m = _ALLOCATION.match(line)
         if m:

@@ -127,7 +127,7 @@ class Instruction:
     @property
     def calls(self) -> tuple[str, ...]:
         """The computations of its `calls=` attribute (a fusion's body, an async op's)."""
-        out = []
+        out: list[str] = []
         for m in _CALLS.finditer(self.attributes):
             names = m.group(1) if m.group(1) is not None else m.group(2)
             out.extend(n.strip().lstrip("%") for n in names.split(",") if n.strip())
@@ -318,7 +318,9 @@ class Program:
 
 def parse(hlo_text: str) -> Program:
     """Every instruction of an HLO module's text (one module; the first ENTRY is its program)."""
-    instructions, computations, computation, entry = [], {}, "", ""
+    instructions: list[Instruction] = []
+    computations: dict[str, list[Instruction]] = {}
+    computation, entry = "", ""
     for line in hlo_text.splitlines():
         header = _COMPUTATION.match(line)
         if header and " = " not in line.split("(", 1)[0]:

@@ -89,8 +89,8 @@ def names(name_stack: str) -> list[Name]:
             part = inner[:-1]
         around = tuple(reversed(transforms))  # innermost first
         if "/" in part:  # a wrapped scope that holds a whole stack
-            for inner in names(part):
-                out.append(Name(inner.text, inner.transforms + around))
+            for sub in names(part):
+                out.append(Name(sub.text, sub.transforms + around))
         elif part:
             out.append(Name(part, around))
     return out

@@ -260,7 +260,8 @@ class HloOps:
         # no name stack: they belong with the nearest named instruction that uses their result
         # or makes an operand (users first: a rewritten op's result is cast back by its own
         # module), preferably one inside the model (the state's parameters are named outside).
-        todo, seen, fallback = [*self._users.get(instr.name, ()), *instr.operands], set(), UNNAMED
+        todo, fallback = [*self._users.get(instr.name, ()), *instr.operands], UNNAMED
+        seen: set[str] = set()
         while todo and len(seen) < 32:
             near = self._instrs.get(todo.pop(0))
             if near is None or near.name in seen:

@@ -26,7 +26,7 @@ import glob
 import os
 import pathlib
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import jax
 
@@ -78,7 +78,8 @@ def _plane_events(plane, program: str):
     """(events of `program` as (start, end, hlo_op), ns of other programs' ops) on one plane."""
     lines = list(plane.lines)
     streams = [ln for ln in lines if ln.name.startswith("Stream #")]
-    thunks, completions, other = [], {}, 0.0
+    thunks, other = [], 0.0
+    completions: dict[Optional[tuple[Any, Any]], Any] = {}  # (a thunk's flow, or None): its end
     for line in streams or [ln for ln in lines if ln.name not in _DERIVED_LINES]:
         for ev in line.events:
             stats = _stats(ev)

@@ -83,7 +83,7 @@ def report_table(report) -> str:
     lines += _totals_lines(report.totals)
     lines += _hazard_lines(report.hazards)
     if report.gemms:
-        kinds = {}
+        kinds: dict[str, int] = {}
         for g in report.gemms:
             key = f"{g.kind} {'*'.join(g.operands)}->{g.result}"
             kinds[key] = kinds.get(key, 0) + 1

@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -242,6 +242,7 @@ class Walker:
                 phase = "forward"
             else:
                 phase = "other"  # outside differentiation: the optimizer, the loss scale
+            calls: Optional[_paths.ModuleCalls]
             calls = self.ctx.calls
             if calls.roots:
                 inside = _paths.in_module(stack, calls)
@@ -252,7 +253,8 @@ class Walker:
         return self._where[stack]
 
     def walk(self, jaxpr, prefix: str = "", times: int = 1, in_custom: bool = False) -> None:
-        consumers, producers = collections.defaultdict(list), {}
+        consumers: collections.defaultdict[jcore.Var, list] = collections.defaultdict(list)
+        producers: dict[jcore.Var, Any] = {}
         for eqn in jaxpr.eqns:
             for v in eqn.invars:
                 if isinstance(v, jcore.Var):

@@ -136,7 +136,7 @@ class CompileReport:
     def fp32_gemms(self) -> list[tuple[str, str, str, int]]:
         """(module path, "forward" / "backward", kernel family, count) of every GEMM with a
         float32 operand."""
-        found = collections.Counter()
+        found: collections.Counter[tuple[str, str, str]] = collections.Counter()
         for g in self.gemms:
             if g.is_fp32:
                 path, backward = op_name_path(g.op_name)

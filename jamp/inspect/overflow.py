@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Mapping, Optional
+from typing import Hashable, Mapping, Optional
 
 import flax.linen as nn
 import jax
@@ -127,7 +127,7 @@ def forward_nonfinite(model: nn.Module, variables, *args, **kwargs) -> ForwardNo
       A `ForwardNonfinite` naming the modules whose outputs were not finite, in call order.
     """
     dynamic, static = _split_kwargs(kwargs)
-    key = (static, jax.tree.structure((variables, args, dynamic)))
+    key: Hashable = (static, jax.tree.structure((variables, args, dynamic)))
     try:
         hash(key)
     except TypeError:  # an unhashable static argument: its text tells calls apart as well

@@ -304,7 +304,8 @@ def profile_steps(
     jax.block_until_ready(state)
     first = next(batches)
     if hlo_text is None:
-        hlo_text = step_fn.lower(state, first, *extra).compile().as_text()
+        lowered = step_fn.lower(state, first, *extra)  # type: ignore[attr-defined]  # jitted / pmapped
+        hlo_text = lowered.compile().as_text()
     with tempfile.TemporaryDirectory(prefix="jamp-profile-") as scratch:
         where = pathlib.Path(logdir) if logdir is not None else pathlib.Path(scratch)
         jax.profiler.start_trace(str(where), profiler_options=_options())

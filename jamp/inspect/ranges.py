@@ -235,7 +235,7 @@ def _rows(paths: list[str], acts: dict, grads: dict, dtype) -> list[ModuleRange]
     limit = float(jnp.finfo(dtype).max)
     rows = []
     for path in paths:
-        g = grads.get(path)
+        g = grads.get(path) or {}
         count = int(g["count"]) if g else 0
         rows.append(
             ModuleRange(

@@ -194,7 +194,8 @@ def _rows(walker: _walk.Walker) -> list[Row]:
 def _totals(rows: list[Row], collective_bytes: dict) -> Totals:
     phases = [p for p in PHASES if any(r.phase == p for r in rows)]
     flops, low, up, f8 = ({p: 0 for p in phases} for _ in range(4))
-    elementwise, nbytes = {}, {}
+    elementwise: dict[str, int] = {}
+    nbytes: dict[str, int] = {}
     for r in rows:
         flops[r.phase] += r.flops
         low[r.phase] += r.flops_16bit
@@ -262,10 +263,13 @@ def _compiled_parts(fn, args, calls) -> tuple[list[Gemm], list[Hazard], dict]:
     """Compiles `fn`: its GEMMs, and the collectives of its partitioned program."""
     jitted = jax.jit(fn)
     executable = jitted.lower(*args).compile()
-    gemms = hlo.gemms(hlo.parse(executable.as_text()))
+    text = executable.as_text()
+    assert text is not None  # a compiled executable has its HLO text
+    gemms = hlo.gemms(hlo.parse(text))
     shardings = jax.tree.leaves(executable.input_shardings)
     devices = {d for s in shardings for d in s.device_set}
-    hazards, nbytes = [], {}
+    hazards: list[Hazard] = []
+    nbytes: dict[str, int] = {}
     if len(devices) > 1:  # partitioned: what crosses devices, in which dtype
         for c in hlo.collectives(hlo.partitioned_hlo(jitted, *args)):
             key = f"{c.kind} {c.dtype}"

@@ -150,7 +150,7 @@ class Adapting:
         for (step, _), metrics in zip(self.pending, fetched):
             m = fetch(metrics)
             skipped = not bool(np.all(m["grads_finite"]))
-            blamed = ()
+            blamed: tuple[str, ...] = ()
             if skipped:
                 blamed = adaptive.blame(m.get(BY_MODULE, {}), m.get(FORWARD), self.order)
                 self.last_blamed = blamed or self.last_blamed

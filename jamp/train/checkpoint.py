@@ -127,7 +127,7 @@ def _ignore_stale_read_callbacks() -> None:
         ):
             previous(unraisable)
 
-    hook._jamp_stale_reads = True
+    hook._jamp_stale_reads = True  # type: ignore[attr-defined]  # a function attribute (mypy#2087)
     sys.unraisablehook = hook
     logging.getLogger("asyncio").addFilter(_drop_orphaned_read_errors)
 

@@ -22,6 +22,7 @@ import functools
 import os
 import pathlib
 import sys
+from typing import Any, NoReturn
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -131,7 +132,7 @@ def _define_flags():
     return config, workdir
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(EXIT_USAGE)
 
@@ -170,7 +171,7 @@ def _initialize_distributed() -> None:
 
     Runs before anything touches a JAX backend: `jax.distributed.initialize` has to come first.
     """
-    given = {
+    given: dict[str, Any] = {
         "coordinator_address": _COORDINATOR.value,
         "num_processes": _NUM_PROCESSES.value,
         "process_id": _PROCESS_ID.value,
@@ -238,8 +239,10 @@ def _plan(config, workdir) -> None:
         resolved = config.value.to_dict() and config.value
     except Exception as e:
         _fail(f"cannot load the config file: {_one_line(e, last=True)}")
+    target = _COMPILE_FOR.value
+    assert target is not None  # main() plans only when --compile_for is given
     try:
-        plan.run_plan(resolved, _COMPILE_FOR.value, workdir.value, _SEARCH_BATCH.value)
+        plan.run_plan(resolved, target, workdir.value, _SEARCH_BATCH.value)
     except (ConfigError, DataError, TargetUnavailable) as e:
         _fail(str(e))
 

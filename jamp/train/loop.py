@@ -9,10 +9,11 @@ written into the workdir.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import signal
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -140,10 +141,10 @@ class _StopFlag:
     """
 
     def __init__(self, every: int = 1):
-        self.signal = None
+        self.signal: Optional[str] = None
         self._every = every
         self._stopping = False
-        self._saved = {}
+        self._saved: dict[signal.Signals, Any] = {}  # signal -> the handler it had
 
     def should_stop(self, step: int) -> bool:
         if jax.process_count() == 1:
@@ -236,7 +237,7 @@ def _restore_target(run, state):
 
 def evaluate(placement: _Placement, state, dataset, task) -> dict:
     """One pass over the eval split; returns accuracy (and loss / perplexity for lm)."""
-    totals = None
+    totals: Any = None  # the summed metrics (a dict), from the first batch on
     for batch in dataset.eval_batches():
         sums = placement.fetch(placement.eval_step(state, placement.batch(batch)))
         sums = jax.device_get(sums)
@@ -252,7 +253,9 @@ def _progress(total, initial):
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=0.5)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -> dict:
+def train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None
+) -> dict:
     """Trains and evaluates the model `config` describes; returns the summary it prints.
 
     Resumes from the latest checkpoint in `workdir/checkpoints` if there is one. Raises

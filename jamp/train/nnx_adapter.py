@@ -11,6 +11,8 @@ sets `train()` / `eval()`, seeds its RNG streams from the dropout key and calls 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 from flax import nnx
 
@@ -27,7 +29,7 @@ class LinenView:
     def __init__(self, spec: NnxModel, policy, activations: str = "auto", overrides=None):
         self.spec, self.policy, self.activations = spec, policy, activations
         self.overrides = overrides
-        self._built = None  # (functional, params treedef, model-state treedef)
+        self._built: Optional[tuple] = None  # (functional, params treedef, model-state treedef)
 
     def init(self, rng, x, train: bool = False) -> dict:
         del train

@@ -26,11 +26,11 @@ import numpy as np
 from jamp import parallel, sharding
 from jamp.precision import describe, reduce_dtype
 from jamp.step import make_train_step
-from jamp.target import compile_for, get_target, memory_fraction
+from jamp.target import Target, compile_for, get_target, memory_fraction
 from jamp.train import data as data_lib
 from jamp.train import loop, tasks
-from jamp.train.optim import make_optimizer
-from jamp.train.run_config import ConfigError, parse_config
+from jamp.train.optim import OptimConfig, make_optimizer
+from jamp.train.run_config import ConfigError, RunConfig, parse_config
 
 #: XLA options for the batch search's compiles: no rematerialization (see the module docstring).
 NO_REMAT = {"xla_disable_hlo_passes": "rematerialization"}
@@ -40,11 +40,11 @@ NO_REMAT = {"xla_disable_hlo_passes": "rematerialization"}
 class Recipe:
     """A recipe parsed for a target: what `compile_at(batch)` compiles."""
 
-    run: object
-    data: object
-    optim: object
+    run: RunConfig
+    data: data_lib.DataConfig
+    optim: OptimConfig
     task: str
-    target: object
+    target: Target
 
     @property
     def batch_unit(self) -> int:

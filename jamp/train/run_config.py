@@ -314,7 +314,7 @@ def _synthetic_fields(config) -> dict:
     return fields
 
 
-def resolve_workdir(workdir: str | None) -> pathlib.Path:
+def resolve_workdir(workdir: str | pathlib.Path | None) -> pathlib.Path:
     """The workdir to use (a fresh one under ./runs/ when None), checked without creating it."""
     if not workdir and jax.process_count() > 1:  # each process would pick its own time stamp
         raise ConfigError("a multi-process run needs --workdir, the same one for every process")

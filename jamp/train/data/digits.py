@@ -27,11 +27,11 @@ def _load_images_and_labels() -> tuple[np.ndarray, np.ndarray]:
 def split_indices(labels: np.ndarray) -> dict[str, np.ndarray]:
     """A stratified, seeded train/test split: `NUM_TEST_PER_CLASS` of every class go to test."""
     rng = np.random.default_rng(_SPLIT_SEED)
-    test = []
+    per_class = []
     for cls in range(10):
         members = np.flatnonzero(labels == cls)
-        test.append(rng.permutation(members)[:NUM_TEST_PER_CLASS])
-    test = np.sort(np.concatenate(test))
+        per_class.append(rng.permutation(members)[:NUM_TEST_PER_CLASS])
+    test = np.sort(np.concatenate(per_class))
     train = np.setdiff1d(np.arange(len(labels)), test)
     return {"train": train, "test": test}
 

@@ -107,8 +107,9 @@ class Dataset:
             "label": arrays["label"].astype(np.int32),
         }
 
-    def _gather(self, indices: Sequence[int]) -> dict[str, np.ndarray]:
+    def _gather(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
         """A batch from the in-memory training split: one vectorised gather per field."""
+        assert self._cache is not None  # only in-memory splits gather
         index = np.asarray(indices, dtype=np.int64)
         return self._finish({key: value[index] for key, value in self._cache.items()})
 
@@ -162,7 +163,8 @@ class Dataset:
         A batch costs one index computation and one gather per field (tens of microseconds), so
         it is made on demand: a prefetch thread would only contend with the training loop.
         """
-        size, step, order = len(self._train), start_step, {}
+        size, step = len(self._train), start_step
+        order: dict[int, np.ndarray] = {}  # epoch -> its permutation
 
         def permutation(epoch):
             if epoch not in order:

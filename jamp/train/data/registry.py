@@ -168,7 +168,7 @@ def get_dataset(cfg: DataConfig, num_devices: int) -> Dataset:
 
 
 # One example's shape and the class count of each stored dataset, for `shapes`.
-_SHAPES = {
+_SHAPES: dict[str, tuple[tuple[int, ...], int]] = {
     "digits": ((8, 8, 1), 10),
     "mnist": ((28, 28, 1), 10),
     "fashion_mnist": ((28, 28, 1), 10),

@@ -30,7 +30,7 @@ class SyntheticImages(Sequence):
     def __len__(self) -> int:
         return len(self._labels)
 
-    def __getitem__(self, index: int) -> dict:
+    def __getitem__(self, index: int) -> dict:  # type: ignore[override]  # by int index only, as grain reads a source
         label = int(self._labels[index])
         # A multiplicative hash spreads noise patterns so that they do not cycle with the index.
         noise = self._noise[((self._start + index) * 2654435761) % _NOISE_PATTERNS]
@@ -53,6 +53,6 @@ class SyntheticTokens(Sequence):
     def __len__(self) -> int:
         return len(self._params)
 
-    def __getitem__(self, index: int) -> dict:
+    def __getitem__(self, index: int) -> dict:  # type: ignore[override]  # by int index only, as grain reads a source
         offset, stride = self._params[index]
         return {"tokens": (offset + stride * self._steps) % self._vocab_size}

@@ -134,7 +134,7 @@ class ImageExamples(Sequence):
     def __len__(self) -> int:
         return len(self._source)
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def __getitem__(self, index: int) -> dict[str, Any]:  # type: ignore[override]  # by int index only, as grain reads a source
         example = self._source[index]
         return {"image": example["image"], "label": example["label"]}
 
@@ -153,7 +153,7 @@ class TokenWindows(Sequence):
     def __len__(self) -> int:
         return max(0, (len(self._tokens) - 1) // self._seq_len)
 
-    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:  # type: ignore[override]  # by int index only, as grain reads a source
         if not 0 <= index < len(self):
             raise IndexError(index)
         start = index * self._seq_len
