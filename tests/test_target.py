@@ -60,7 +60,7 @@ def test_target_without_the_plugin_is_one_line(monkeypatch):
         with pytest.raises(
             target_lib.TargetUnavailable,
             match=r"^compiling for a GPU target "
-            r"needs JAX's CUDA plugin: pip install 'jamp\[gpu-compile\]'",
+            r"needs JAX's CUDA plugin: pip install 'jamp-jax\[gpu-compile\]'",
         ):
             _ = target_lib.get_target("b200").devices
     finally:
