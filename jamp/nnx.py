@@ -15,7 +15,9 @@ run in float32 with float32 statistics; overrides match NNX module classes and a
 How a call runs: the module is split into its graph and state, merged again inside a trace that
 `jamp.autocast`'s interpreter rewrites, and the variables the call changed (batch statistics,
 RNG counts) are written back to the module. Overridden submodules of the merged copy get a class
-that marks their calls on the traced program (`jamp.overrides`).
+that marks their calls on the traced program (`jamp.overrides`), and every submodule's calls run
+in a name scope holding its attribute path (`CALL_SCOPE`), as Flax linen names its modules' calls,
+so `jamp.inspect` splits an NNX model by module (`blocks/0/attn`).
 
 `split(model)` is the functional side, for `jamp.make_train_step` (and so `jamp.parallel`'s
 pmap and `jamp.sharding`'s sharded step): params and model state as pytrees for a
@@ -24,6 +26,7 @@ pmap and `jamp.sharding`'s sharded step): params and model state as pytrees for 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -125,6 +128,57 @@ def _tag_overridden(root, pairs) -> None:
             module.__class__ = _tagged_class(type(module), index, pairs[index][1])
 
 
+#: The name scope of a wrapped NNX model's submodule calls: `jamp_nnx(blocks.0.attn)`, the
+#: attribute path with "." between its parts (a "/" would split the scope in JAX's name stack).
+CALL_SCOPE = "jamp_nnx"
+#: The name scope of a wrapped NNX model's own call: `jamp_nnx_root(TransformerLM)`.
+ROOT_SCOPE = "jamp_nnx_root"
+
+_call_observers: list[Callable[[str, type, Any], None]] = []
+
+
+@contextlib.contextmanager
+def observing_calls(observe: Callable[[str, type, Any], None]):
+    """Calls `observe(path, cls, setup)` for every call of a wrapped NNX model and of its
+    submodules traced inside this context: `path` as NNX spells it ("blocks/0/attn"; "" for the
+    model), `cls` the module's own class, `setup` (the model's call only) what the model was
+    wrapped with: `.policy`, `.overrides`, `.activations`. `jamp.inspect` records calls so."""
+    _call_observers.append(observe)
+    try:
+        yield
+    finally:
+        _call_observers.remove(observe)
+
+
+@functools.lru_cache(maxsize=None)
+def _scoped_class(cls: type, path: tuple, original: type) -> type:
+    """`cls` whose methods run in the name scope of the submodule at `path`."""
+    scope = f"{CALL_SCOPE}({'.'.join(map(str, path))})"
+    spelled = "/".join(map(str, path))
+
+    def scoped(fn):
+        @functools.wraps(fn)
+        def method(self, *args, **kwargs):
+            for observe in tuple(_call_observers):
+                observe(spelled, original, None)
+            with jax.named_scope(scope):
+                return fn(self, *args, **kwargs)
+
+        return method
+
+    body: dict[str, Any] = {name: scoped(fn) for name, fn in _own_methods(cls).items()}
+    body["__module__"] = cls.__module__
+    body["__qualname__"] = cls.__qualname__
+    return types.new_class(cls.__name__, (cls,), {}, lambda ns: ns.update(body))
+
+
+def _scope_calls(root, originals: Mapping[tuple, type]) -> None:
+    """Give each submodule of a merged copy the class that names its calls by its path."""
+    for path, module in _nodes(root, nnx.Module):
+        if path:
+            module.__class__ = _scoped_class(type(module), path, originals[path])
+
+
 @dataclasses.dataclass(frozen=True)
 class _Setup:
     """What a wrapped class runs under (a class attribute: part of the graph's static type)."""
@@ -157,17 +211,24 @@ def _run(module, setup: _Setup, name: str, args, kwargs):
         values = iter(data)
         leaves = [next(it) if i in at else next(values) for i in range(len(arg_leaves))]
         call_args, call_kwargs = jax.tree.unflatten(arg_def, leaves)
+        originals = {path: type(module) for path, module in _nodes(copy, nnx.Module)}
         _tag_overridden(copy, setup.overrides)
+        _scope_calls(copy, originals)
+        for observe in tuple(_call_observers):
+            observe("", setup.original, setup)
         shape = nnx.graphdef(copy)
         before = {path: v.get_value() for path, v in _variables(copies).items()}
         method = getattr(super(type(copy), copy), name)
         index = overrides_lib.first_match(setup.overrides, copy, ())
-        if index is None:
-            out = method(*call_args, **call_kwargs)
-        else:  # the model itself matches an override (a wrapped LayerNorm is a norm)
-            policy = setup.overrides[index][1]
-            with overrides_lib.running_under(index, policy, copy, call_args, call_kwargs) as cast:
-                out = overrides_lib.cast_output(policy, method(*cast[0], **cast[1]))
+        with jax.named_scope(f"{ROOT_SCOPE}({setup.original.__name__})"):
+            if index is None:
+                out = method(*call_args, **call_kwargs)
+            else:  # the model itself matches an override (a wrapped LayerNorm is a norm)
+                policy = setup.overrides[index][1]
+                with overrides_lib.running_under(
+                    index, policy, copy, call_args, call_kwargs
+                ) as cast:
+                    out = overrides_lib.cast_output(policy, method(*cast[0], **cast[1]))
         after = {path: v.get_value() for path, v in _variables(copies).items()}
         new = [path for path in after if path not in before]
         where = f"{setup.original.__name__}.{name}"

@@ -67,9 +67,13 @@ def test_inspect_cli_bad_policy_is_one_line_and_exit_status_2(data_dir):
     assert "Traceback" not in out.stderr and not out.stdout
 
 
-def test_inspect_cli_nnx_recipe_reports_precision_and_says_ranges_are_linen_only(data_dir):
+def test_inspect_cli_nnx_recipe_reports_precision_by_module(data_dir):
     out = _inspect("--config=configs/digits_nnx.py", f"--config.data_dir={data_dir}")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "seed_cnn_nnx on digits" in out.stdout
     assert "100.0% with 16-bit operands" in out.stdout
+    # One row per submodule and pass, by the attribute names of the NNX model (SeedCNN).
+    rows = {tuple(line.split()[:2]) for line in out.stdout.splitlines() if line[:1].isalpha()}
+    for module in ("conv1", "conv2", "dense1", "dense2"):
+        assert {(module, "fwd"), (module, "bwd")} <= rows, out.stdout
     assert "measured for linen models only" in out.stdout

@@ -235,6 +235,17 @@ def test_profile_hlo_classes_and_module_paths():
         ),
         ("jit(s)/jvp(Wrapped.apply)/LM/Embed_0.attend/dot_general", "Embed_0"),
         ("jit(s)/jvp(Wrapped.apply)/SeedCNN/jit(relu)/max", "(SeedCNN)"),
+        (  # a jamp.wrapped NNX model's submodule: the scope holds its attribute path
+            "jit(s)/transpose(jvp(jamp_nnx_root(LM)))/jamp_nnx(blocks.0)/jamp_nnx(blocks.0.mlp_in)/"
+            "dot_general",
+            "blocks/0/mlp_in",
+        ),
+        (  # a whole stack re-entered as one scope (jamp.autocast)
+            "jit(s)/jvp(jamp_nnx_root(LM)/jamp_nnx(blocks.1)/jamp_nnx(blocks.1.norm2))/"
+            "jamp_policy_1_/mul",
+            "blocks/1/norm2",
+        ),
+        ("jit(s)/jvp(jamp_nnx_root(SeedCNN))/jit(relu)/max", "(SeedCNN)"),  # its own operations
         (
             "jit(_fun)/shard_map/transpose(jvp(Wrapped.apply))/SeedCNN/Dense_0/dot_general",
             "Dense_0",

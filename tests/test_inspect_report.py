@@ -43,7 +43,7 @@ def _module_paths(params) -> set[str]:
     """Every module path of a params tree (each leaf's path without its name, and its parents)."""
     out = {""}
     for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
-        keys = [str(k.key) for k in path][:-1]
+        keys = [jax.tree_util.keystr((k,), simple=True) for k in path][:-1]
         out |= {"/".join(keys[: i + 1]) for i in range(len(keys))}
     return out
 
@@ -334,3 +334,60 @@ def test_paths_module_path_strips_transforms_roots_and_tags(stack, path, backwar
 def test_paths_policy_tag():
     assert _paths.policy_tag("Wrapped.apply/M/LayerNorm_0/jamp_policy_3_") == 3
     assert _paths.policy_tag("Wrapped.apply/M/Dense_0") is None
+
+
+def _nnx_lm_step(policy):
+    """A tiny wrapped NNX Transformer LM's train step (through `jamp.nnx.split`), state, batch."""
+    from flax import nnx
+
+    from jamp.models.nnx_models import TransformerLM as NnxLM
+
+    model = jamp.wrap(
+        NnxLM(32, num_layers=2, d_model=16, num_heads=2, mlp_dim=32, max_len=8, rngs=nnx.Rngs(0)),
+        policy,
+    )
+    functional, params, model_state = jamp.nnx.split(model)
+
+    def loss(model, batch):
+        logits = model(batch[:, :-1])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+        return loss, {}
+
+    tx = optax.adam(1e-3)
+    state = jamp.TrainState.create(
+        params, tx, model_state=model_state, loss_scale=jamp.loss_scale_for(policy)
+    )
+    tokens = jnp.zeros((2, 9), jnp.int32)
+    return jamp.make_train_step(functional.loss_fn(loss), tx), state, tokens, params
+
+
+def test_report_splits_a_wrapped_nnx_model_by_its_attribute_paths():
+    step, state, tokens, params = _nnx_lm_step("mixed_bfloat16")
+    report = precision_report(step, state, tokens, jax.random.key(0))
+    # NNX's own spelling of the paths: list items by index ("blocks/0/attention").
+    assert {r.path for r in report.rows} <= _module_paths(params) | {OUTSIDE}
+    with_flops = {r.path for r in report.rows if r.flops and r.phase == "forward"}
+    for block in ("blocks/0", "blocks/1"):
+        attention = f"{block}/attention"
+        assert {f"{attention}/{n}" for n in ("query", "key", "value", "out")} <= with_flops
+        assert {attention, f"{block}/mlp_in", f"{block}/mlp_out"} <= with_flops
+    assert "embed" in with_flops  # the tied output projection, `embed.attend`
+    assert report.row("", "forward") is not None  # the model's own operations (embedding sum)
+    assert {r.path for r in report.rows if r.phase == "backward" and r.flops} == with_flops
+    # The wrapped model's settings reach the report: its norms are named by their rule.
+    norm = report.row("blocks/1/norm2")
+    assert norm is not None and set(norm.kept_fp32) == {"normalization"}
+    assert report.compute_dtype == "bfloat16"
+    # The compiled program's GEMMs carry the same paths in their HLO op names.
+    text = jax.jit(step).lower(state, tokens, jax.random.key(0)).compile().as_text()
+    compiled = {_paths.op_name_path(g.op_name)[0] for g in hlo.gemms(hlo.parse(text))}
+    assert {"blocks/0/mlp_in", "blocks/1/attention/query", "embed"} <= compiled
+
+
+def test_report_paths_of_a_stack_reentered_as_one_scope():
+    # jamp.autocast re-enters an equation's whole name stack as one scope: under a transform,
+    # several NNX scopes in one name; the innermost is the path.
+    stack = "jvp(jamp_nnx(blocks.0)/jamp_nnx(blocks.0.attention)/jamp_nnx(blocks.0.attention.key))"
+    assert _paths.module_path(stack) == "blocks/0/attention/key"
+    assert _paths.module_path(f"transpose({stack})/jamp_policy_1_") == "blocks/0/attention/key"
+    assert [n.text for n in _paths.names("jvp(a(x)/b(y))")] == ["x", "y"]  # no endless split

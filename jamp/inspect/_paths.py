@@ -17,6 +17,11 @@ instruction's `op_name`. Around those names sit what JAX and jamp add:
 `ModuleCalls`, which notes every module call's scope name; without one it keeps every name that
 looks like a module's and drops what `jamp.wrap` put above the model.
 
+A `jamp.wrap`ped NNX model's submodule calls run in a scope naming their whole attribute path,
+`jamp_nnx(blocks.0.attn)` (`jamp.nnx.CALL_SCOPE`); the innermost such scope is the path
+("blocks/0/attn"), whatever encloses it. The model's own call runs in
+`jamp_nnx_root(TransformerLM)` (`jamp.nnx.ROOT_SCOPE`): its root, path "".
+
 Example::
 
   calls = ModuleCalls()
@@ -36,6 +41,9 @@ from typing import Optional
 
 import flax.linen as nn
 
+from jamp.nnx import CALL_SCOPE as _NNX_SCOPE
+from jamp.nnx import ROOT_SCOPE as _NNX_ROOT
+from jamp.nnx import observing_calls as _observing_nnx_calls
 from jamp.overrides import TAG_PREFIX as wrap_tag
 from jamp.overrides import tag_index as _tag_index
 
@@ -74,6 +82,20 @@ def _split_top(text: str) -> list[str]:
     return [p for p in parts if p]
 
 
+def _wraps_whole(part: str) -> bool:
+    """Whether `part` is one `head(...)`: its first "(" closes at its last character (not
+    `a(x)/b(y)`, a whole stack that `jamp.autocast` re-entered as one scope)."""
+    depth = 0
+    for i, ch in enumerate(part):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth == 0:
+                return i == len(part) - 1
+    return False
+
+
 def names(name_stack: str) -> list[Name]:
     """The names of a name stack, transforms peeled off: `transpose(jvp(A))/B` -> A (under
     transpose and jvp), B. A scope name that itself holds slashes (`jamp.autocast` re-enters an
@@ -81,7 +103,7 @@ def names(name_stack: str) -> list[Name]:
     out: list[Name] = []
     for part in _split_top(name_stack):
         transforms = []
-        while part.endswith(")") and "(" in part:
+        while part.endswith(")") and "(" in part and _wraps_whole(part):
             head, inner = part.split("(", 1)
             if not re.fullmatch(r"\w+", head):
                 break
@@ -114,10 +136,11 @@ class ModuleCalls:
     """
 
     def __init__(self):
-        self.modules: set[str] = set()  # scope names of submodules, without ".method"
+        self.modules: set[str] = set()  # scope names of linen submodules, without ".method"
         self.roots: set[str] = set()  # scope names of root modules, "Class" or "Class.method"
         self.classes: dict[str, type] = {}  # module path -> class
-        self.wrapped: list[nn.Module] = []
+        self.nnx_roots: set[str] = set()  # class names of wrapped NNX models called
+        self.wrapped: list = []  # jamp.wrap's linen Wrapped modules, NNX models' settings
         self._stack: list[str] = []
 
     def _interceptor(self, next_fun, args, kwargs, context):
@@ -143,10 +166,19 @@ class ModuleCalls:
         finally:
             self._stack = saved
 
+    def _nnx_call(self, path: str, cls: type, setup) -> None:
+        if path:
+            self.classes.setdefault(path, cls)
+        if setup is not None:
+            self.nnx_roots.add(cls.__name__)
+            if not any(w is setup for w in self.wrapped):
+                self.wrapped.append(setup)  # its policy, overrides and activations, as Wrapped's
+
     @contextlib.contextmanager
     def recording(self):
-        """Record module calls made (by any tracing) inside this context."""
-        with nn.intercept_methods(self._interceptor):
+        """Record module calls made (by any tracing) inside this context: linen modules' and
+        the submodules' of `jamp.wrap`ped NNX models."""
+        with nn.intercept_methods(self._interceptor), _observing_nnx_calls(self._nnx_call):
             yield self
 
 
@@ -169,9 +201,15 @@ def module_path(name_stack: str, calls: Optional[ModuleCalls] = None) -> str:
 
       module_path("transpose(jvp(Wrapped.apply))/TransformerLM/Embed_0.attend")  # "Embed_0"
     """
+    all_names = names(name_stack)
+    nnx_scopes = [n for n in all_names if _NNX_SCOPE in n.transforms]
+    if nnx_scopes:  # inside a wrapped NNX model's submodule: its scope holds the whole path
+        return nnx_scopes[-1].text.replace(".", "/")
+    if nnx_root(name_stack) is not None:
+        return ""  # the wrapped NNX model's own operations
     items = [
         n
-        for n in names(name_stack)
+        for n in all_names
         if not _TAG.match(n.text)
         and n.text != "_"
         and not _FUNCTION_TRANSFORMS.intersection(n.transforms)
@@ -199,12 +237,23 @@ def module_path(name_stack: str, calls: Optional[ModuleCalls] = None) -> str:
     return "/".join(path)
 
 
+def nnx_root(name_stack: str) -> Optional[str]:
+    """The class name of the `jamp.wrap`ped NNX model whose call an equation ran in, if any."""
+    for n in names(name_stack):
+        if _NNX_ROOT in n.transforms:
+            return n.text
+    return None
+
+
 def in_module(name_stack: str, calls: ModuleCalls) -> bool:
     """Whether an equation ran inside a Flax module call (always, for a program without any:
     then its scopes are the user's own `jax.named_scope`s)."""
-    if not calls.roots:
+    if not calls.roots and not calls.nnx_roots:
         return True
-    return any(_is_root(n.text, calls) for n in names(name_stack))
+    return any(
+        _is_root(n.text, calls) or _NNX_ROOT in n.transforms or _NNX_SCOPE in n.transforms
+        for n in names(name_stack)
+    )
 
 
 def op_name_path(op_name: str, calls: Optional[ModuleCalls] = None) -> tuple[str, bool]:

@@ -21,7 +21,7 @@ import dataclasses
 import numpy as np
 
 from jamp.hlo import text as hlo_text
-from jamp.inspect._paths import names, op_name_path
+from jamp.inspect._paths import names, nnx_root, op_name_path
 from jamp.wrap import Wrapped
 
 #: The classes of device time, in the order tables and plots show them. "16-bit" matmuls are all
@@ -114,11 +114,14 @@ def module_path(op_name: str) -> str:
     # without one the instruction lies outside the model, whatever else its stack names
     # (shard_map, while/body).
     roots = [n.text for n in names(stack) if n.text[:1].isupper() and "jit" not in n.transforms]
-    if not roots:
+    nnx_model = nnx_root(stack)  # a jamp.wrapped NNX model's call (its class name)
+    if not roots and nnx_model is None:
         return LOSS if ("jvp(" in stack or "transpose(" in stack) else UPDATE
     path, _ = op_name_path(op_name)
     if path:
         return path
+    if nnx_model is not None:
+        return f"({nnx_model})"
     wrapped = roots[0].split(".")[0] == Wrapped.__name__ and len(roots) > 1
     return f"({(roots[1] if wrapped else roots[0]).split('.')[0]})"
 

@@ -27,6 +27,7 @@ from jax.extend import core as jcore
 from jamp import activations as act
 from jamp import jax_compat
 from jamp.inspect import _paths
+from jamp.nnx import FP32_MODULES as NNX_FP32_MODULES
 from jamp.wrap import FP32_MODULE_NAME_SUFFIXES, FP32_MODULES
 
 MATMULS = ("dot_general", "conv_general_dilated")
@@ -180,7 +181,7 @@ def _summed(var, consumers) -> bool:
 def _is_norm_class(cls: Optional[type]) -> bool:
     if cls is None:
         return False
-    if issubclass(cls, FP32_MODULES):
+    if issubclass(cls, FP32_MODULES + NNX_FP32_MODULES):
         return True
     ends = tuple(s.lower() for s in FP32_MODULE_NAME_SUFFIXES)
     return any(c.__name__.lower().endswith(ends) for c in cls.__mro__)
@@ -193,7 +194,7 @@ def override_rule(index: int, overrides) -> Optional[str]:
     key, policy = overrides[index]
     if is_16bit(policy.compute_dtype):
         return None
-    if key in FP32_MODULES or type(key).__name__ == "_NamedLike":
+    if key in FP32_MODULES + NNX_FP32_MODULES or type(key).__name__ == "_NamedLike":
         return "normalization"
     return f"override {key.__name__ if isinstance(key, type) else key}"
 

@@ -295,7 +295,7 @@ def _trace(fn, args):
         # A new function each time, so that at least the outer trace runs again.
         closed = jax.make_jaxpr(lambda *a: fn(*a))(*args)
     try:
-        if calls.roots:
+        if calls.roots or calls.nnx_roots:
             _RECORDED[fn] = calls
         else:
             calls = _RECORDED.get(fn, calls)
