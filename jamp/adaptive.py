@@ -64,6 +64,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import re
 import zlib
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Self, Sequence
@@ -244,6 +245,12 @@ class Controller:
             raise ValueError(
                 f"demote_after must be a positive integer or None, got {demote_after!r}"
             )
+        if demote_after is not None and demote_after <= k:
+            raise ValueError(
+                f"demote_after must be greater than k, got demote_after={demote_after} and k={k}: "
+                "decisions come every k steps, so a module would go back down at the first "
+                "decision after its promotion"
+            )
         self.policy = precision.get_policy(policy)
         self.modules = tuple(dict.fromkeys(modules))
         self.k, self.n, self.demote_after = k, n, demote_after
@@ -415,7 +422,9 @@ def blocks(top_level: Sequence[str]) -> list[str]:
     return list(top_level)
 
 
-def placement_overrides(patterns: Sequence[str], top_level: Sequence[str]) -> dict[str, str]:
+def placement_overrides(
+    patterns: Sequence[str], top_level: Sequence[str], paths: Optional[Sequence[str]] = None
+) -> dict[str, str]:
     """Static placement: `{path pattern: "float32"}` overrides for `jamp.wrap`.
 
     Args:
@@ -423,9 +432,12 @@ def placement_overrides(patterns: Sequence[str], top_level: Sequence[str]) -> di
         "first:N" and "last:N": the first / last N of the model's repeated blocks (`blocks`),
         like Megatron's `--first-last-layers-bf16` but for any model.
       top_level: the model's top-level module paths in call order.
+      paths: every module path of the model; given, a pattern that matches none of them is an
+        error (a misspelt path would otherwise keep nothing in float32, silently).
 
     Raises:
-      ValueError: a malformed "first:"/"last:" form, or N larger than the number of blocks.
+      ValueError: a malformed "first:"/"last:" form, N larger than the number of blocks, or a
+        pattern matching no module.
     """
     found = blocks(top_level)
     out: dict[str, str] = {}
@@ -442,5 +454,12 @@ def placement_overrides(patterns: Sequence[str], top_level: Sequence[str]) -> di
         elif sep:
             raise ValueError(f"{pattern!r}: accepted are module path patterns and first:N / last:N")
         else:
+            if paths is not None and not any(fnmatch.fnmatchcase(p, pattern) for p in paths):
+                shown = [p for p in paths if p][:8]
+                more = " ..." if len([p for p in paths if p]) > 8 else ""
+                raise ValueError(
+                    f"{pattern!r} matches no module of the model; its modules are "
+                    f"{', '.join(shown)}{more} (patterns are fnmatch-style: 'blocks/*/attention')"
+                )
             out[pattern] = "float32"
     return out

@@ -199,6 +199,9 @@ def test_controller_rejects_bad_windows():
         _controller(k=6, n=5)
     with pytest.raises(ValueError, match="demote_after"):
         _controller(demote_after=0)
+    # Demoted at the first decision after its promotion: back and forth, never settled.
+    with pytest.raises(ValueError, match="demote_after must be greater than k"):
+        _controller(k=3, n=10, demote_after=3)
 
 
 def test_placement_first_and_last_blocks_and_patterns():
@@ -220,6 +223,13 @@ def test_placement_first_and_last_blocks_and_patterns():
         adaptive.placement_overrides(["last:5"], cnn)
     with pytest.raises(ValueError, match="first:N / last:N"):
         adaptive.placement_overrides(["middle:1"], cnn)
+    # With the model's module paths, a pattern matching none of them is an error, not a no-op.
+    paths = ["", "Embed_0", "DecoderBlock_0", "DecoderBlock_0/Attention_0", "Dense_0"]
+    assert adaptive.placement_overrides(["*/Attention_0"], lm, paths) == {
+        "*/Attention_0": "float32"
+    }
+    with pytest.raises(ValueError, match="'Dense_9' matches no module.*Embed_0, DecoderBlock_0"):
+        adaptive.placement_overrides(["Dense_0", "Dense_9"], lm, paths)
 
 
 def test_module_policies_follow_overrides_and_nesting_in_call_order():

@@ -262,6 +262,14 @@ ON = "--config.adaptive_precision=true"
         (["--config.adaptive.k=80"], ["1 <= k <= n"]),
         ([ON, "--config.model=seed_cnn_nnx"], ["linen model", "NNX"]),
         ([ON, "--config.policy=mixed_fp8"], ["fp8", "keep_in_float32"]),
+        # Settings that would silently do nothing (or undo themselves) are errors too.
+        (["--config.keep_in_float32=Dense_9"], ["'Dense_9' matches no module", "Dense_0"]),
+        (
+            ["--config.model=seed_cnn_nnx", "--config.keep_in_float32=conv1,conv9"],
+            ["'conv9' matches no module", "conv1, conv2"],
+        ),
+        ([ON, "--config.adaptive.demote_after=6"], ["demote_after", "greater than adaptive.k"]),
+        ([ON, "--config.persistent_overflow_steps=5"], ["persistent_overflow_steps=5", "k=6"]),
     ],
 )
 def test_bad_adaptive_flags_get_one_line(tmp_path, data_dir, flags, words, forked_cli):

@@ -42,6 +42,28 @@ def layout(model, info) -> tuple[dict, list[str]]:
     return dtypes, [p for p in policies if p and "/" not in p]
 
 
+def module_paths(model, info) -> list[str]:
+    """Every module path of a wrapped model ("" for the root), from an abstract init (linen:
+    as `jamp.wrap` overrides match them) or build (NNX: attribute paths, `blocks/0/attention`)."""
+    x = _dummy(info)
+    if isinstance(model, Wrapped):
+        variables = jax.eval_shape(lambda: model.init(jax.random.key(0), x, train=False))
+        return list(module_policies(model, variables, x, train=False))
+    from flax import nnx
+
+    paths: list[str] = []
+
+    def build():
+        module = model.spec.build(tuple(x.shape[1:]), nnx.Rngs(0))
+        for path, node in nnx.iter_graph(module):
+            if isinstance(node, nnx.Module):
+                paths.append("/".join(map(str, path)))
+        return 0
+
+    jax.eval_shape(build)
+    return paths
+
+
 def _nnx_top_level(view, x) -> list[str]:
     """An NNX model's submodule attributes in the order its constructor assigned them (a list
     of modules as its items, `blocks/0` ...): its variables' own order is alphabetical."""

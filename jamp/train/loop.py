@@ -88,8 +88,9 @@ def keep_in_float32(run: RunConfig, model, info) -> dict:
     if not run.keep_in_float32:
         return {}
     _, top_level = adapting.layout(model, info)
+    paths = adapting.module_paths(model, info)
     try:
-        return adaptive.placement_overrides(run.keep_in_float32, top_level)
+        return adaptive.placement_overrides(run.keep_in_float32, top_level, paths)
     except ValueError as e:
         raise ConfigError(f"keep_in_float32 {e}") from None
 

@@ -232,6 +232,19 @@ def _adaptive(config, policy):
             "adaptive_precision runs with float16 and bfloat16 policies; under an fp8 policy "
             "use keep_in_float32 (or the policy's own overrides) for now"
         )
+    if demote and demote <= k:
+        raise ConfigError(
+            f"adaptive.demote_after must be 0 (off) or greater than adaptive.k, got "
+            f"demote_after={demote} and k={k}: decisions come every k steps, so a promoted module "
+            "would go back down at the first decision after its promotion"
+        )
+    stop = config.get("persistent_overflow_steps", None)
+    if isinstance(stop, int) and stop < k:
+        raise ConfigError(
+            f"persistent_overflow_steps={stop} is less than adaptive.k={k}: the run would stop "
+            f"after {stop} skipped steps in a row, before adaptive precision could blame a module "
+            f"{k} times and promote it; raise persistent_overflow_steps or lower adaptive.k"
+        )
     return (k, n, demote or None)
 
 
