@@ -35,6 +35,7 @@ import zlib
 from typing import Any, Callable, Mapping, Optional, TypeGuard, TypeVar
 
 import jax
+import jax.numpy as jnp
 import jmp
 from flax import nnx
 
@@ -150,6 +151,51 @@ def observing_calls(observe: Callable[[str, type, Any], None]):
         _call_observers.remove(observe)
 
 
+# Output maxima: `capturing_outputs()` collectors (outside), and the record of the call being
+# traced (inside: what the scoped methods write to).
+_capturing: list[dict[str, jax.Array]] = []
+_recording: list[dict[str, jax.Array]] = []
+
+
+@contextlib.contextmanager
+def capturing_outputs():
+    """Collects, for every call of a wrapped NNX model inside this context, the largest |value|
+    of each submodule's float outputs (`{path: float32 scalar}`, "" for the model's own output),
+    as values of the caller's trace: NNX's counterpart of linen's `capture_intermediates`, for
+    `jamp.inspect`'s range table and overflow attribution. A module called twice keeps its larger
+    output; a non-finite output gives a non-finite maximum. Outside this context nothing is
+    added to the program.
+
+    Example::
+
+      with jamp.nnx.capturing_outputs() as maxima:
+          logits = model(x)
+      maxima["blocks/0/attention"]  # a float32 scalar
+    """
+    collected: dict[str, jax.Array] = {}
+    _capturing.append(collected)
+    try:
+        yield collected
+    finally:
+        _capturing.remove(collected)
+
+
+def _record_output(record: dict[str, jax.Array], path: str, out) -> None:
+    floats = [
+        jnp.max(jnp.abs(x.astype(jnp.float32)))
+        for x in jax.tree.leaves(out)
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating) and x.size
+    ]
+    if floats:
+        top = jnp.max(jnp.stack(floats))
+        record[path] = jnp.maximum(record[path], top) if path in record else top
+
+
+def _merge_maxima(into: dict[str, jax.Array], maxima: Mapping[str, jax.Array]) -> None:
+    for path, value in maxima.items():
+        into[path] = jnp.maximum(into[path], value) if path in into else value
+
+
 @functools.lru_cache(maxsize=None)
 def _scoped_class(cls: type, path: tuple, original: type) -> type:
     """`cls` whose methods run in the name scope of the submodule at `path`."""
@@ -162,7 +208,10 @@ def _scoped_class(cls: type, path: tuple, original: type) -> type:
             for observe in tuple(_call_observers):
                 observe(spelled, original, None)
             with jax.named_scope(scope):
-                return fn(self, *args, **kwargs)
+                out = fn(self, *args, **kwargs)
+                if _recording:
+                    _record_output(_recording[-1], spelled, out)
+                return out
 
         return method
 
@@ -220,15 +269,24 @@ def _run(module, setup: _Setup, name: str, args, kwargs):
         before = {path: v.get_value() for path, v in _variables(copies).items()}
         method = getattr(super(type(copy), copy), name)
         index = overrides_lib.first_match(setup.overrides, copy, ())
-        with jax.named_scope(f"{ROOT_SCOPE}({setup.original.__name__})"):
-            if index is None:
-                out = method(*call_args, **call_kwargs)
-            else:  # the model itself matches an override (a wrapped LayerNorm is a norm)
-                policy = setup.overrides[index][1]
-                with overrides_lib.running_under(
-                    index, policy, copy, call_args, call_kwargs
-                ) as cast:
-                    out = overrides_lib.cast_output(policy, method(*cast[0], **cast[1]))
+        maxima: dict[str, jax.Array] = {}
+        if capture:
+            _recording.append(maxima)
+        try:
+            with jax.named_scope(f"{ROOT_SCOPE}({setup.original.__name__})"):
+                if index is None:
+                    out = method(*call_args, **call_kwargs)
+                else:  # the model itself matches an override (a wrapped LayerNorm is a norm)
+                    policy = setup.overrides[index][1]
+                    with overrides_lib.running_under(
+                        index, policy, copy, call_args, call_kwargs
+                    ) as cast:
+                        out = overrides_lib.cast_output(policy, method(*cast[0], **cast[1]))
+                if capture:
+                    _record_output(maxima, "", out)
+        finally:
+            if capture:
+                _recording.remove(maxima)
         after = {path: v.get_value() for path, v in _variables(copies).items()}
         new = [path for path in after if path not in before]
         where = f"{setup.original.__name__}.{name}"
@@ -249,9 +307,10 @@ def _run(module, setup: _Setup, name: str, args, kwargs):
         leaves, static["treedef"] = jax.tree.flatten(out)
         static["leaves"] = {i: x for i, x in enumerate(leaves) if not isinstance(x, jax.Array)}
         arrays = [x for i, x in enumerate(leaves) if i not in static["leaves"]]
-        return arrays, [after[path] for path in changed]
+        return arrays, [after[path] for path in changed], maxima
 
-    arrays, values = rewrite(
+    capture = bool(_capturing)  # fixed for this call's trace
+    arrays, values, maxima = rewrite(
         traced,
         precision.autocast_dtype(setup.policy),
         overrides_lib.compute_for(setup.overrides),
@@ -259,6 +318,8 @@ def _run(module, setup: _Setup, name: str, args, kwargs):
         weak_argnums=(0,),  # the module's variables: see `jamp.activations` on weak values
         reduce_dtype=precision.reduce_dtype(setup.policy),
     )(state, data)
+    for collected in _capturing:
+        _merge_maxima(collected, maxima)
     variables = _variables(nodes)
     for path, value in zip(changed, values):  # batch statistics, RNG counts, caches
         variables[path].set_value(value)

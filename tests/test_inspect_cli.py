@@ -76,4 +76,8 @@ def test_inspect_cli_nnx_recipe_reports_precision_by_module(data_dir):
     rows = {tuple(line.split()[:2]) for line in out.stdout.splitlines() if line[:1].isalpha()}
     for module in ("conv1", "conv2", "dense1", "dense2"):
         assert {(module, "fwd"), (module, "bwd")} <= rows, out.stdout
-    assert "measured for linen models only" in out.stdout
+    # The fp16 range table of a real batch, by the same paths (jamp.nnx.capturing_outputs).
+    ranges = out.stdout.split("float16 ranges", 1)[1]
+    rows = [line.split()[0] for line in ranges.splitlines()[3:8]]
+    assert rows == ["(root)", "conv1", "conv2", "dense1", "dense2"], ranges
+    assert "no overflow" in ranges

@@ -147,3 +147,79 @@ def test_ranges_activations_only_without_a_loss():
     ranges = range_report(model, variables, x)
     assert ranges.flagged == ["boom"]
     assert all(r.max_scaled_grad is None and r.grad_count == 0 for r in ranges.rows)
+
+
+# ----- a jamp.wrapped NNX model: outputs read with jamp.nnx.capturing_outputs
+
+
+def _nnx_net():
+    from flax import nnx
+
+    class Boom(nnx.Module):  # a Linear whose output is scaled past float16's 65504
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(8, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.linear(x) * 1e4
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(4, 8, rngs=rngs)
+            self.boom = Boom(rngs)
+            self.norm = nnx.LayerNorm(8, rngs=rngs)
+            self.head = nnx.Linear(8, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.norm(self.boom(nnx.relu(self.hidden(x)))))
+
+    return jamp.wrap(Net(nnx.Rngs(0)), "mixed_float16")
+
+
+class _NnxApply:
+    """What range_report takes for an NNX model: an `apply(variables, x)` (the program's view)."""
+
+    def __init__(self, model):
+        self.functional, params, self.model_state = jamp.nnx.split(model)
+        self.variables = {"params": params}
+
+    def apply(self, variables, x, mutable=False):
+        del mutable
+        return self.functional.merge(variables["params"], self.model_state)(x)
+
+
+def test_nnx_capturing_outputs_reads_every_submodules_largest_output():
+    model = _nnx_net()
+    x = 10.0 * jax.random.normal(jax.random.key(1), (16, 4))
+
+    @jax.jit
+    def run(x):  # the maxima are values of the caller's trace: returned from it
+        with jamp.nnx.capturing_outputs() as maxima:
+            logits = model(x)
+        return logits, maxima
+
+    logits, maxima = run(x)
+    assert set(maxima) == {"", "hidden", "boom", "boom/linear", "norm", "head"}
+    assert float(maxima[""]) == float(jnp.max(jnp.abs(logits)))
+    assert float(maxima["boom"]) > 65504 > float(maxima["boom/linear"])
+    assert float(maxima["norm"]) < 10
+    # Outside the context the model's program holds no extra reductions.
+    plain = jax.make_jaxpr(lambda x: model(x))(x)
+    with jamp.nnx.capturing_outputs():
+        captured = jax.make_jaxpr(lambda x: model(x))(x)
+    assert len(str(captured)) > len(str(plain))
+
+
+def test_ranges_flag_the_nnx_submodule_that_overflows_in_fp16():
+    view = _NnxApply(_nnx_net())
+    x = 10.0 * jax.random.normal(jax.random.key(1), (16, 4))
+    y = jnp.arange(16) % 3
+
+    def loss(params):
+        logits = view.apply({"params": params}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    ranges = range_report(view, view.variables, x, loss_fn=loss, loss_scale=1.0)
+    assert ranges.flagged == ["boom"]
+    # NNX's attribute paths, parents before children, in call order (as for linen above).
+    assert [r.path for r in ranges.rows] == ["", "hidden", "boom", "boom/linear", "norm", "head"]
+    assert ranges.row("boom/linear").max_scaled_grad is not None

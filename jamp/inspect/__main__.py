@@ -50,7 +50,6 @@ def inspect_recipe(config, workdir) -> str:
     from jamp.precision import describe
     from jamp.step import make_train_step
     from jamp.train import loop, tasks
-    from jamp.train.nnx_adapter import LinenView
 
     path = loop.resolve_workdir(workdir) if workdir else None
     run, data_cfg, task, dataset, model, tx, state = _build(config)
@@ -62,13 +61,6 @@ def inspect_recipe(config, workdir) -> str:
     batch = next(iter(dataset.train_batches(start_step=0)))
     rng = jax.random.key(run.seed)
     report = precision_report(step, state, batch, rng)
-    if isinstance(model, LinenView):  # an NNX model: no linen intermediates to measure
-        title = f"{run.model} on {data_cfg.dataset}, batch {run.batch_size}, {describe(run.policy)}"
-        note = "fp16 ranges per module: measured for linen models only; this one is NNX."
-        if path is not None:
-            path = loop.prepare_workdir(path)
-            (path / "precision_report.txt").write_text(report.table() + "\n")
-        return f"{title}\n\n{report.table()}\n\n{note}"
     ranges = range_report(
         model,
         {"params": state.params, **state.model_state},

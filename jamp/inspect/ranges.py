@@ -4,8 +4,8 @@ loss scale buys.
 float16 holds magnitudes from 2^-24 (its smallest subnormal) to 65504. `range_report` runs one
 batch through a model and, per module path, compares with that range
 
-* the largest |activation| (the module's outputs, from Flax's `capture_intermediates`): past
-  65504 it is inf in float16;
+* the largest |activation| (the module's outputs, from Flax's `capture_intermediates`, or for a
+  wrapped NNX model `jamp.nnx.capturing_outputs`): past 65504 it is inf in float16;
 * the largest |scaled gradient| (the gradients of its parameters, times the loss scale): past
   65504 the step overflows and is skipped;
 * the fraction of its gradient values that round to zero in float16 without the loss scale,
@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jamp import nnx as jamp_nnx
 from jamp.inspect import _paths
 from jamp.inspect._text import format_table
 
@@ -181,7 +182,10 @@ def range_report(
     """Per-module magnitudes of activations and scaled gradients on one batch, against `dtype`.
 
     Args:
-      model: a linen module (`jamp.wrap`ped or not).
+      model: a linen module (`jamp.wrap`ped or not), or any object whose
+        `apply(variables, *inputs, **apply_kwargs)` runs a `jamp.wrap`ped NNX model (the
+        training program's view of one); its submodules' outputs are read with
+        `jamp.nnx.capturing_outputs` and named by attribute path.
       variables: its variables, `{"params": ..., **other collections}`.
       *inputs: the batch's model inputs, as `model.apply(variables, *inputs)` takes them.
       loss_fn: `loss_fn(params) -> loss` (or `(loss, aux)`), the loss on this batch as a
@@ -207,10 +211,14 @@ def range_report(
     collections = True if mutable is True else list(mutable or []) + ["intermediates"]
 
     def measure(variables, inputs):
-        _, state = model.apply(
-            variables, *inputs, capture_intermediates=True, mutable=collections, **apply_kwargs
-        )
-        acts = _activation_maxima(state.get("intermediates", {}))
+        if isinstance(model, nn.Module):
+            _, state = model.apply(
+                variables, *inputs, capture_intermediates=True, mutable=collections, **apply_kwargs
+            )
+            acts = _activation_maxima(state.get("intermediates", {}))
+        else:  # a wrapped NNX model behind an apply (the program's view): its own capture
+            with jamp_nnx.capturing_outputs() as acts:
+                model.apply(variables, *inputs, mutable=mutable, **apply_kwargs)
         if loss_fn is None:
             return acts, {}
 
