@@ -69,3 +69,69 @@ def test_forward_nonfinite_on_an_unwrapped_model_and_a_nan_input():
 
 
 KEY = jax.random.key(2)
+
+
+# ----- a jamp.wrapped NNX model (through an apply, as the training program's view has it)
+
+
+def _nnx_view(policy, activations="compute"):
+    from flax import nnx
+
+    class Boom(nnx.Module):  # a Linear whose output is scaled past float16's 65504
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(8, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.linear(x) * 1e4
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(4, 8, rngs=rngs)
+            self.boom = Boom(rngs)
+            self.norm = nnx.LayerNorm(8, rngs=rngs)
+            self.head = nnx.Linear(8, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.norm(self.boom(nnx.relu(self.hidden(x)))))
+
+    model = jamp.wrap(Net(nnx.Rngs(0)), policy, activations=activations)
+    functional, params, model_state = jamp.nnx.split(model)
+
+    class View:
+        def apply(self, variables, x, train=False, rngs=None, mutable=False):
+            del train, rngs, mutable
+            return functional.merge(variables["params"], model_state)(x)
+
+    return View(), {"params": params}
+
+
+def test_forward_nonfinite_names_the_nnx_submodule_where_it_began():
+    view, variables = _nnx_view("mixed_float16")  # 16-bit activations: boom's output is inf
+    x = 10.0 * jax.random.normal(jax.random.key(1), (16, 4))
+    found = forward_nonfinite(view, variables, x, train=True)
+    assert found.first == "boom" and not found.output_finite
+    assert "boom/linear" not in found.modules and "hidden" not in found.modules
+    assert set(found.modules) == {"boom", "norm", "head", ""}  # then what it flowed into
+    fine, fine_vars = _nnx_view("float32")
+    assert forward_nonfinite(fine, fine_vars, x, train=True).modules == ()
+
+
+def test_loss_forward_flags_of_an_nnx_model():
+    from jamp.train import tasks
+
+    view, variables = _nnx_view("mixed_float16")
+    batch = {
+        "image": 10.0 * jax.random.normal(jax.random.key(1), (16, 4)),
+        "label": jnp.zeros(16, int),
+    }
+    loss_fn = tasks.make_loss_fn(view, "classification", forward_flags=True)
+    _, (_, metrics) = jax.jit(loss_fn)(variables["params"], {}, batch, None)
+    flags = {path: float(ok) for path, ok in metrics[tasks.FORWARD_FLAGS].items()}
+    assert flags == {
+        "hidden": 1.0,
+        "boom/linear": 1.0,
+        "boom": 0.0,
+        "norm": 0.0,
+        "head": 0.0,
+        "": 0.0,
+    }

@@ -90,9 +90,21 @@ def test_train_nnx_resnet_keeps_fp32_batch_statistics(tmp_path, data_dir):
     assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(stats, fresh))
 
 
-def test_train_nnx_trace_nonfinite_is_refused_with_one_line(tmp_path, data_dir):
+def test_train_nnx_trace_nonfinite_reruns_a_skipped_batch_through_the_nnx_model(tmp_path, data_dir):
+    # A static loss scale far past float16: every step's gradients overflow and are skipped;
+    # the re-run of each batch checks every NNX submodule's output (finite: the forward is fine).
+    workdir = tmp_path / "run"
     out = _smoke(
-        "digits_nnx", tmp_path / "run", data_dir, "--config.trace_nonfinite=true", check=False
+        "digits_nnx",
+        workdir,
+        data_dir,
+        "--config.trace_nonfinite=true",
+        "--config.policy=mixed_float16",
+        "--config.loss_scale=static",
+        "--config.loss_scale_params.initial=1e30",
+        "--config.num_train_steps=3",
     )
-    assert out.returncode == 2 and "NNX model" in out.stderr
-    assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+    traces = _records(workdir, "overflow_trace")
+    assert [r["step"] for r in traces] == [1, 2, 3], out.stderr[-3000:]
+    assert all(r["forward_nonfinite"] == [] for r in traces)
+    assert "forward pass finite" in out.stderr

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jamp import nnx as jamp_nnx
 from jamp.wrap import Wrapped
 
 _CALL = "__call__"
@@ -118,7 +119,9 @@ def forward_nonfinite(model: nn.Module, variables, *args, **kwargs) -> ForwardNo
 
     Args:
       model: a linen module or a `jamp.wrap`ped one (then the outputs checked are those the
-        policy's dtypes produced).
+        policy's dtypes produced); or an object whose `apply(variables, *args, **kwargs)` runs a
+        `jamp.wrap`ped NNX model (the training program's view of one), whose submodules are
+        checked through `jamp.nnx.capturing_outputs` and named by attribute path.
       variables: its variables (`{"params": ..., "batch_stats": ...}`); mutable collections are
         updated in the re-run and thrown away.
       *args, **kwargs: the call's arguments, e.g. `images, train=True, rngs={"dropout": key}`.
@@ -134,11 +137,16 @@ def forward_nonfinite(model: nn.Module, variables, *args, **kwargs) -> ForwardNo
         key = repr(key)
     cached = _COMPILED.get(key)
     if cached is None or cached[0] is not model:  # one compile per model and call signature
-        inner = model.module if isinstance(model, Wrapped) else model
-        order = _call_order(inner, variables, args, dynamic, static)
+        if isinstance(model, nn.Module):
+            inner = model.module if isinstance(model, Wrapped) else model
+            order = _call_order(inner, variables, args, dynamic, static)
+            check = jax.jit(functools.partial(_check, model, static))
+        else:  # a wrapped NNX model behind an apply: the order is noted while tracing
+            order = []
+            check = jax.jit(functools.partial(_check_nnx, model, static, order))
         if len(_COMPILED) >= 8:  # a few signatures at a time; forget the oldest
             _COMPILED.pop(next(iter(_COMPILED)))
-        cached = _COMPILED[key] = (model, order, jax.jit(functools.partial(_check, model, static)))
+        cached = _COMPILED[key] = (model, order, check)
     _, order, check = cached
     out_finite, flags = jax.device_get(check(variables, args, dynamic))
     rank = {path: i for i, path in enumerate(order)}
@@ -147,6 +155,18 @@ def forward_nonfinite(model: nn.Module, variables, *args, **kwargs) -> ForwardNo
 
 
 _COMPILED: dict = {}
+
+
+def _check_nnx(model, static, order, variables, args, dynamic):
+    with jamp_nnx.capturing_outputs() as maxima:
+        out = model.apply(variables, *args, **dynamic, **dict(static))
+    order[:] = list(maxima)  # the order outputs were recorded in: as calls finish
+    return _all_finite(out), {path: jnp.isfinite(m) for path, m in maxima.items()}
+
+
+def _all_finite(out):
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(out)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
 def _check(model, static, variables, args, dynamic):

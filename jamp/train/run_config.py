@@ -219,8 +219,8 @@ def _adaptive(config, policy):
         return None
     if is_nnx(config.model):
         raise ConfigError(
-            f"adaptive_precision reads each module's forward output, which needs a linen model; "
-            f"{config.model!r} is an NNX model (keep_in_float32 places NNX modules statically)"
+            f"adaptive_precision runs on a linen model for now; {config.model!r} is an NNX "
+            "model (keep_in_float32 places NNX modules statically)"
         )
     if config.get("profile_steps", 0):
         raise ConfigError(
@@ -277,11 +277,6 @@ def _trace_nonfinite(config) -> bool:
     value = config.get("trace_nonfinite", False)
     if not isinstance(value, bool):
         raise ConfigError(f"trace_nonfinite must be true or false, got {value!r}")
-    if value and is_nnx(config.model):
-        raise ConfigError(
-            f"trace_nonfinite re-runs the calls of linen modules; {config.model!r} is an NNX "
-            "model (the step's per-module gradient flags still name what overflowed)"
-        )
     if value and jax.process_count() > 1:
         # The re-run reads the whole batch on one process; the others hold only their slices.
         raise ConfigError(

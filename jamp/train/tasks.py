@@ -9,9 +9,11 @@ divide totals by totals whatever the padding of the last batch.
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax.numpy as jnp
 import optax
 
+from jamp import nnx as jamp_nnx
 from jamp.inspect.overflow import output_flags
 from jamp.train.overflow_watch import FORWARD
 
@@ -43,6 +45,11 @@ FORWARD_FLAGS = FORWARD
 
 def _apply_checked(model, params, model_state, inputs, rng):
     """A train-mode apply that also says whether each module's output was finite."""
+    if not isinstance(model, nn.Module):  # an NNX model's view: its submodules' outputs
+        with jamp_nnx.capturing_outputs() as maxima:
+            out, new_state = _apply(model, params, model_state, inputs, True, rng)
+        flags = {path: jnp.isfinite(m).astype(jnp.float32) for path, m in maxima.items()}
+        return out, new_state, flags
     variables = {"params": params, **model_state}
     out, state = model.apply(
         variables,
@@ -62,7 +69,7 @@ def _apply_checked(model, params, model_state, inputs, rng):
 def make_loss_fn(model, task: str, *, forward_flags: bool = False):
     """`loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, metrics))`.
 
-    With `forward_flags` (a linen model), `metrics[FORWARD_FLAGS]` says per module path whether
+    With `forward_flags`, `metrics[FORWARD_FLAGS]` says per module path whether
     its output was finite on this step (1.0) or not (0.0): where a forward overflow began.
     """
 
