@@ -245,12 +245,7 @@ class Controller:
             raise ValueError(
                 f"demote_after must be a positive integer or None, got {demote_after!r}"
             )
-        if demote_after is not None and demote_after <= k:
-            raise ValueError(
-                f"demote_after must be greater than k, got demote_after={demote_after} and k={k}: "
-                "decisions come every k steps, so a module would go back down at the first "
-                "decision after its promotion"
-            )
+
         self.policy = precision.get_policy(policy)
         self.modules = tuple(dict.fromkeys(modules))
         self.k, self.n, self.demote_after = k, n, demote_after

@@ -112,6 +112,16 @@ def is_batched(x: Any) -> bool:
     return isinstance(x, batching.BatchTracer)
 
 
+def current_trace() -> Any:
+    """The trace that operations bind to right now (a value's identity, to tell whether a call
+    runs in the same program as another or inside a transform of it: scan, remat, vmap, cond).
+    None where this JAX has no trace context (then every call counts as the same)."""
+    from jax._src import core
+
+    ctx = getattr(core, "trace_ctx", None)
+    return getattr(ctx, "trace", None)
+
+
 def _is_ref(aval) -> bool:
     # Mutable buffers (Pallas refs, `jax.new_ref`, run_state) have an abstract type of their own.
     return type(aval).__name__ == "AbstractRef"

@@ -229,7 +229,8 @@ class DynamicLossScale:
     """A loss scale that grows while gradients stay finite and backs off when they overflow.
 
     Update rule of `adjust(grads_finite)` (Megatron's hysteresis; with `hysteresis=1` it is
-    exactly PyTorch's GradScaler, which grows on the `growth_interval`-th finite step)::
+    PyTorch's GradScaler, which grows on the `growth_interval`-th finite step, exactly so for
+    power-of-two factors such as its defaults)::
 
       if grads_finite:
         counter += 1

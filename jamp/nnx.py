@@ -40,8 +40,8 @@ import jmp
 from flax import nnx
 
 from jamp import activations as activations_lib
+from jamp import jax_compat, precision
 from jamp import overrides as overrides_lib
-from jamp import precision
 from jamp.engine import rewrite
 
 #: NNX module classes that run in float32 unless `overrides` says otherwise.
@@ -154,7 +154,7 @@ def observing_calls(observe: Callable[[str, type, Any], None]):
 # Output maxima: `capturing_outputs()` collectors (outside), and the record of the call being
 # traced (inside: what the scoped methods write to).
 _capturing: list[dict[str, jax.Array]] = []
-_recording: list[dict[str, jax.Array]] = []
+_recording: list[tuple[dict[str, jax.Array], Any]] = []  # (record, the call's trace)
 
 
 @contextlib.contextmanager
@@ -177,7 +177,15 @@ def capturing_outputs():
     try:
         yield collected
     finally:
-        _capturing.remove(collected)
+        _remove(_capturing, collected)
+
+
+def _remove(stack: list, item) -> None:
+    """Removes `item` itself from `stack` (not an equal dict: `list.remove` compares by ==)."""
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i] is item:
+            del stack[i]
+            return
 
 
 def _record_output(record: dict[str, jax.Array], path: str, out) -> None:
@@ -202,29 +210,36 @@ def _scoped_class(cls: type, path: tuple, original: type) -> type:
     scope = f"{CALL_SCOPE}({'.'.join(map(str, path))})"
     spelled = "/".join(map(str, path))
 
-    def scoped(fn):
+    def scoped(fn, records: bool):
         @functools.wraps(fn)
         def method(self, *args, **kwargs):
             for observe in tuple(_call_observers):
                 observe(spelled, original, None)
             with jax.named_scope(scope):
                 out = fn(self, *args, **kwargs)
-                if _recording:
-                    _record_output(_recording[-1], spelled, out)
+                # Outputs of calls, as linen's capture_intermediates: not of other methods (a
+                # mask, a tied head's `attend`), nor of calls inside a transform of the model's
+                # program (nnx.scan, nnx.remat, vmap, cond), whose values live in that trace.
+                if records and _recording and jax_compat.current_trace() is _recording[-1][1]:
+                    _record_output(_recording[-1][0], spelled, out)
                 return out
 
         return method
 
-    body: dict[str, Any] = {name: scoped(fn) for name, fn in _own_methods(cls).items()}
+    body: dict[str, Any] = {
+        name: scoped(fn, name == "__call__") for name, fn in _own_methods(cls).items()
+    }
     body["__module__"] = cls.__module__
     body["__qualname__"] = cls.__qualname__
     return types.new_class(cls.__name__, (cls,), {}, lambda ns: ns.update(body))
 
 
 def _scope_calls(root, originals: Mapping[tuple, type]) -> None:
-    """Give each submodule of a merged copy the class that names its calls by its path."""
+    """Give each submodule of a merged copy the class that names its calls by its path; a
+    wrapped model inside (and what is under it) is left to name its own calls when it runs."""
+    nested = [path for path, module in _nodes(root, nnx.Module) if path and is_wrapped(module)]
     for path, module in _nodes(root, nnx.Module):
-        if path:
+        if path and not any(path[: len(n)] == n for n in nested):
             module.__class__ = _scoped_class(type(module), path, originals[path])
 
 
@@ -267,11 +282,15 @@ def _run(module, setup: _Setup, name: str, args, kwargs):
             observe("", setup.original, setup)
         shape = nnx.graphdef(copy)
         before = {path: v.get_value() for path, v in _variables(copies).items()}
-        method = getattr(super(type(copy), copy), name)
+        # The user's method: from above the wrapping class (which runs this), whatever the copy's
+        # own class is.
+        wrapping = next(c for c in type(copy).__mro__ if "_jamp_setup" in vars(c))
+        method = getattr(super(wrapping, copy), name)
         index = overrides_lib.first_match(setup.overrides, copy, ())
         maxima: dict[str, jax.Array] = {}
+        entry = (maxima, jax_compat.current_trace())
         if capture:
-            _recording.append(maxima)
+            _recording.append(entry)
         try:
             with jax.named_scope(f"{ROOT_SCOPE}({setup.original.__name__})"):
                 if index is None:
@@ -286,7 +305,7 @@ def _run(module, setup: _Setup, name: str, args, kwargs):
                     _record_output(maxima, "", out)
         finally:
             if capture:
-                _recording.remove(maxima)
+                _remove(_recording, entry)
         after = {path: v.get_value() for path, v in _variables(copies).items()}
         new = [path for path in after if path not in before]
         where = f"{setup.original.__name__}.{name}"
@@ -309,7 +328,10 @@ def _run(module, setup: _Setup, name: str, args, kwargs):
         arrays = [x for i, x in enumerate(leaves) if i not in static["leaves"]]
         return arrays, [after[path] for path in changed], maxima
 
-    capture = bool(_capturing)  # fixed for this call's trace
+    # Fixed for this call's trace. A wrapped model called inside another's call (nested) does not
+    # capture: its values live in the outer call's trace, which the collectors cannot see.
+    nested = bool(_recording)
+    capture = bool(_capturing) and not nested
     arrays, values, maxima = rewrite(
         traced,
         precision.autocast_dtype(setup.policy),
@@ -318,8 +340,9 @@ def _run(module, setup: _Setup, name: str, args, kwargs):
         weak_argnums=(0,),  # the module's variables: see `jamp.activations` on weak values
         reduce_dtype=precision.reduce_dtype(setup.policy),
     )(state, data)
-    for collected in _capturing:
-        _merge_maxima(collected, maxima)
+    if capture:
+        for collected in _capturing:
+            _merge_maxima(collected, maxima)
     variables = _variables(nodes)
     for path, value in zip(changed, values):  # batch statistics, RNG counts, caches
         variables[path].set_value(value)

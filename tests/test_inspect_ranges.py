@@ -223,3 +223,40 @@ def test_ranges_flag_the_nnx_submodule_that_overflows_in_fp16():
     # NNX's attribute paths, parents before children, in call order (as for linen above).
     assert [r.path for r in ranges.rows] == ["", "hidden", "boom", "boom/linear", "norm", "head"]
     assert ranges.row("boom/linear").max_scaled_grad is not None
+
+
+def test_nnx_capturing_outputs_keeps_to_the_models_own_trace():
+    from flax import nnx
+
+    class Inner(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(4, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.a(x)
+
+    class Outer(nnx.Module):
+        def __init__(self, rngs):
+            self.inner = jamp.wrap(Inner(rngs), "mixed_bfloat16")  # a wrapped model inside
+            self.b = nnx.Linear(4, 4, rngs=rngs)
+            self.c = nnx.Linear(4, 4, rngs=rngs)
+
+        def __call__(self, x):
+            y = self.b(self.inner(x))
+            return jax.checkpoint(lambda y: self.c(y))(y)  # c runs in remat's own trace
+
+    model = jamp.wrap(Outer(nnx.Rngs(0)), "mixed_float16")
+
+    @jax.jit
+    def run(x):
+        with jamp.nnx.capturing_outputs() as outer:
+            with jamp.nnx.capturing_outputs() as inner:  # nested contexts: both collect
+                out = model(x)
+            first = dict(inner)
+        return out, first, outer
+
+    out, first, outer = run(jnp.ones((2, 4)))
+    # No value of another trace escapes (neither remat's nor the nested model's call), and
+    # both contexts saw the model's own submodule and output.
+    assert set(first) == set(outer) == {"", "b"}
+    assert float(outer[""]) == float(jnp.max(jnp.abs(out)))

@@ -245,7 +245,7 @@ class Walker:
                 phase = "other"  # outside differentiation: the optimizer, the loss scale
             calls: Optional[_paths.ModuleCalls]
             calls = self.ctx.calls
-            if calls.roots:
+            if calls.roots or calls.nnx_roots:
                 inside = _paths.in_module(stack, calls)
             else:  # nothing recorded (a trace JAX had cached): read the names as they are
                 calls, inside = None, "Wrapped." in stack or not self.ctx.wrapped

@@ -160,6 +160,11 @@ _COMPILED: dict = {}
 def _check_nnx(model, static, order, variables, args, dynamic):
     with jamp_nnx.capturing_outputs() as maxima:
         out = model.apply(variables, *args, **dynamic, **dict(static))
+    if not maxima:
+        raise ValueError(
+            f"forward_nonfinite: {type(model).__name__} is not a linen module, and its apply ran "
+            "no jamp.wrap'ped NNX model (nothing to check)"
+        )
     order[:] = list(maxima)  # the order outputs were recorded in: as calls finish
     return _all_finite(out), {path: jnp.isfinite(m) for path, m in maxima.items()}
 

@@ -219,6 +219,11 @@ def range_report(
         else:  # a wrapped NNX model behind an apply (the program's view): its own capture
             with jamp_nnx.capturing_outputs() as acts:
                 model.apply(variables, *inputs, mutable=mutable, **apply_kwargs)
+            if not acts:
+                raise ValueError(
+                    f"range_report: {type(model).__name__} is not a linen module, and its apply "
+                    "ran no jamp.wrap'ped NNX model (nothing to measure)"
+                )
         if loss_fn is None:
             return acts, {}
 

@@ -239,11 +239,13 @@ def _adaptive(config, policy):
             "would go back down at the first decision after its promotion"
         )
     stop = config.get("persistent_overflow_steps", None)
-    if isinstance(stop, int) and stop < k:
+    stops = config.get("on_persistent_overflow", "stop") == "stop"
+    if stops and isinstance(stop, int) and stop < k:
         raise ConfigError(
             f"persistent_overflow_steps={stop} is less than adaptive.k={k}: the run would stop "
-            f"after {stop} skipped steps in a row, before adaptive precision could blame a module "
-            f"{k} times and promote it; raise persistent_overflow_steps or lower adaptive.k"
+            f"after {stop} skipped steps in a row at the loss scale's floor, while adaptive "
+            f"precision decides every {k} steps, so it could stop before a promotion; raise "
+            "persistent_overflow_steps, lower adaptive.k, or set on_persistent_overflow=warn"
         )
     return (k, n, demote or None)
 
