@@ -3,6 +3,7 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from toy import NnxView, nnx_boom_net
 
 import jamp
 from jamp.inspect.overflow import forward_nonfinite
@@ -75,34 +76,8 @@ KEY = jax.random.key(2)
 
 
 def _nnx_view(policy, activations="compute"):
-    from flax import nnx
-
-    class Boom(nnx.Module):  # a Linear whose output is scaled past float16's 65504
-        def __init__(self, rngs):
-            self.linear = nnx.Linear(8, 8, rngs=rngs)
-
-        def __call__(self, x):
-            return self.linear(x) * 1e4
-
-    class Net(nnx.Module):
-        def __init__(self, rngs):
-            self.hidden = nnx.Linear(4, 8, rngs=rngs)
-            self.boom = Boom(rngs)
-            self.norm = nnx.LayerNorm(8, rngs=rngs)
-            self.head = nnx.Linear(8, 3, rngs=rngs)
-
-        def __call__(self, x):
-            return self.head(self.norm(self.boom(nnx.relu(self.hidden(x)))))
-
-    model = jamp.wrap(Net(nnx.Rngs(0)), policy, activations=activations)
-    functional, params, model_state = jamp.nnx.split(model)
-
-    class View:
-        def apply(self, variables, x, train=False, rngs=None, mutable=False):
-            del train, rngs, mutable
-            return functional.merge(variables["params"], model_state)(x)
-
-    return View(), {"params": params}
+    view = NnxView(nnx_boom_net(policy, activations=activations))
+    return view, view.variables
 
 
 def test_forward_nonfinite_names_the_nnx_submodule_where_it_began():

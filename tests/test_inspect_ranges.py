@@ -8,6 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from toy import NnxView, nnx_boom_net
 
 import jamp
 from jamp.inspect.ranges import range_report
@@ -152,43 +153,8 @@ def test_ranges_activations_only_without_a_loss():
 # ----- a jamp.wrapped NNX model: outputs read with jamp.nnx.capturing_outputs
 
 
-def _nnx_net():
-    from flax import nnx
-
-    class Boom(nnx.Module):  # a Linear whose output is scaled past float16's 65504
-        def __init__(self, rngs):
-            self.linear = nnx.Linear(8, 8, rngs=rngs)
-
-        def __call__(self, x):
-            return self.linear(x) * 1e4
-
-    class Net(nnx.Module):
-        def __init__(self, rngs):
-            self.hidden = nnx.Linear(4, 8, rngs=rngs)
-            self.boom = Boom(rngs)
-            self.norm = nnx.LayerNorm(8, rngs=rngs)
-            self.head = nnx.Linear(8, 3, rngs=rngs)
-
-        def __call__(self, x):
-            return self.head(self.norm(self.boom(nnx.relu(self.hidden(x)))))
-
-    return jamp.wrap(Net(nnx.Rngs(0)), "mixed_float16")
-
-
-class _NnxApply:
-    """What range_report takes for an NNX model: an `apply(variables, x)` (the program's view)."""
-
-    def __init__(self, model):
-        self.functional, params, self.model_state = jamp.nnx.split(model)
-        self.variables = {"params": params}
-
-    def apply(self, variables, x, mutable=False):
-        del mutable
-        return self.functional.merge(variables["params"], self.model_state)(x)
-
-
 def test_nnx_capturing_outputs_reads_every_submodules_largest_output():
-    model = _nnx_net()
+    model = nnx_boom_net("mixed_float16")
     x = 10.0 * jax.random.normal(jax.random.key(1), (16, 4))
 
     @jax.jit
@@ -210,7 +176,7 @@ def test_nnx_capturing_outputs_reads_every_submodules_largest_output():
 
 
 def test_ranges_flag_the_nnx_submodule_that_overflows_in_fp16():
-    view = _NnxApply(_nnx_net())
+    view = NnxView(nnx_boom_net("mixed_float16"))
     x = 10.0 * jax.random.normal(jax.random.key(1), (16, 4))
     y = jnp.arange(16) % 3
 

@@ -39,3 +39,45 @@ def make_loss_fn(model):
 def make_batch(size=16, key=1):
     x = jax.random.normal(jax.random.key(key), (size, 4))
     return {"x": x, "y": x @ jnp.array([1.0, -2.0, 0.5, 3.0])}
+
+
+def nnx_boom_net(policy, activations="auto"):
+    """A `jamp.wrap`ped NNX net whose `boom` submodule (a Linear times 1e4) leaves float16's
+    range for inputs of size ~10: hidden -> boom(linear) -> norm -> head."""
+    from flax import nnx
+
+    import jamp
+
+    class Boom(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(8, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.linear(x) * 1e4
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(4, 8, rngs=rngs)
+            self.boom = Boom(rngs)
+            self.norm = nnx.LayerNorm(8, rngs=rngs)
+            self.head = nnx.Linear(8, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.norm(self.boom(nnx.relu(self.hidden(x)))))
+
+    return jamp.wrap(Net(nnx.Rngs(0)), policy, activations=activations)
+
+
+class NnxView:
+    """A wrapped NNX model behind an `apply(variables, x, ...)`, as the training program's view
+    has it (what range_report, forward_nonfinite and the loss's forward flags take)."""
+
+    def __init__(self, model):
+        import jamp
+
+        self.functional, params, self.model_state = jamp.nnx.split(model)
+        self.variables = {"params": params}
+
+    def apply(self, variables, x, train=False, rngs=None, mutable=False):
+        del train, rngs, mutable
+        return self.functional.merge(variables["params"], self.model_state)(x)
