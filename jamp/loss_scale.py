@@ -444,7 +444,9 @@ def _group_names(paths: list[tuple[str, ...]], depth: int) -> list[str]:
     """The group of each leaf path: its first `depth` branching levels, joined by "/".
 
     A level where every path takes the same key (Hugging Face's lone "transformer", a wrapper's
-    name) does not count, so that the groups are the modules a user would name.
+    name) does not count, so that the groups are the modules a user would name; nor does a list
+    of modules (every key an index: NNX's `blocks/0`, Hugging Face's `h/0`), whose items are
+    groups of their own, like linen's `Block_0`, `Block_1`.
     """
     names = [""] * len(paths)
 
@@ -453,14 +455,16 @@ def _group_names(paths: list[tuple[str, ...]], depth: int) -> list[str]:
         going = [i for i in indices if len(paths[i]) > level]
         for i in ended:
             names[i] = "/".join(paths[i])
-        if left == 0:
+        keys = {paths[i][level] for i in going}
+        items = not ended and len(keys) > 1 and all(k.isdigit() for k in keys)
+        if left == 0 and not items:
             for i in going:
                 names[i] = "/".join(paths[i][:level])
             return
         children: dict[str, list[int]] = {}
         for i in going:
             children.setdefault(paths[i][level], []).append(i)
-        branching = len(children) > 1 or bool(ended)
+        branching = (len(children) > 1 or bool(ended)) and not items  # a list's index: no level
         for child in children.values():
             split(child, level + 1, left - branching)
 
@@ -472,7 +476,8 @@ def finite_by_group(tree: Any, depth: int = 1) -> dict[str, jax.Array]:
     """Returns `{group: bool scalar}`: whether every leaf of each group of `tree` is finite.
 
     A group is a path prefix of `depth` branching levels: for a Flax params tree with depth=1,
-    the model's top-level modules ("Dense_0", "Block_3", ...). The work is the same as
+    the model's top-level modules ("Dense_0", "Block_3", ...; an NNX model's list of blocks gives
+    one group per item, "blocks/3"). The work is the same as
     `all_finite`'s (one reduction per leaf, then a few `and`s), so a train step can say which
     modules overflowed at no extra cost; `all_finite(tree)` is the `and` of the values.
 

@@ -511,10 +511,19 @@ def test_finite_by_group_flags_each_top_level_module():
 def test_finite_by_group_skips_levels_that_do_not_branch():
     # Hugging Face's Flax models keep everything under one "transformer": that is no grouping.
     tree = {"transformer": {"h": {"0": jnp.ones(1), "1": jnp.array([jnp.inf])}, "ln": jnp.ones(1)}}
+    # A list of blocks (every key an index) is no level either: each block is a group.
     assert {k: bool(v) for k, v in finite_by_group(tree).items()} == {
-        "transformer/h": False,
+        "transformer/h/0": True,
+        "transformer/h/1": False,
         "transformer/ln": True,
     }
+    nnx_like = {"blocks": {0: {"a": jnp.ones(1), "b": jnp.ones(1)}, 1: {"a": jnp.ones(1)}}}
+    assert list(finite_by_group({**nnx_like, "norm": jnp.ones(1)})) == [
+        "blocks/0",
+        "blocks/1",
+        "norm",
+    ]
+    assert list(finite_by_group(nnx_like, depth=2)) == ["blocks/0/a", "blocks/0/b", "blocks/1/a"]
     assert finite_by_group({}) == {}
     with pytest.raises(ValueError, match="depth"):
         finite_by_group(tree, depth=0)
