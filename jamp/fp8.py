@@ -53,7 +53,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from jamp import jax_compat, mixed_ops
+from jamp import jax_compat, mixed_ops, scopes
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -322,8 +322,9 @@ _NUM = re.compile(r"(\d+)")
 
 def site_name(name_stack: str, counts: dict) -> str:
     """A stable name for the next `dot_general` at `name_stack` ("Block_0/Dense_0/dot_general",
-    then "..._1" for a second one there); `counts` is the trace's running tally."""
-    stack = _TAGS.sub("", name_stack).strip("/")
+    then "..._1" for a second one there; a wrapped NNX model's as linen's would read,
+    "TransformerLM/blocks/0/mlp_in/dot_general"); `counts` is the trace's running tally."""
+    stack = scopes.plain(_TAGS.sub("", name_stack).strip("/"))
     base = f"{stack}/dot_general" if stack else "dot_general"
     index = counts.get(base, 0)
     counts[base] = index + 1

@@ -40,7 +40,7 @@ import jmp
 from flax import nnx
 
 from jamp import activations as activations_lib
-from jamp import jax_compat, precision
+from jamp import jax_compat, precision, scopes
 from jamp import overrides as overrides_lib
 from jamp.engine import rewrite
 
@@ -131,9 +131,9 @@ def _tag_overridden(root, pairs) -> None:
 
 #: The name scope of a wrapped NNX model's submodule calls: `jamp_nnx(blocks.0.attn)`, the
 #: attribute path with "." between its parts (a "/" would split the scope in JAX's name stack).
-CALL_SCOPE = "jamp_nnx"
+CALL_SCOPE = scopes.CALL_SCOPE
 #: The name scope of a wrapped NNX model's own call: `jamp_nnx_root(TransformerLM)`.
-ROOT_SCOPE = "jamp_nnx_root"
+ROOT_SCOPE = scopes.ROOT_SCOPE
 
 _call_observers: list[Callable[[str, type, Any], None]] = []
 
@@ -207,7 +207,7 @@ def _merge_maxima(into: dict[str, jax.Array], maxima: Mapping[str, jax.Array]) -
 @functools.lru_cache(maxsize=None)
 def _scoped_class(cls: type, path: tuple, original: type) -> type:
     """`cls` whose methods run in the name scope of the submodule at `path`."""
-    scope = f"{CALL_SCOPE}({'.'.join(map(str, path))})"
+    scope = scopes.call_scope(path)
     spelled = "/".join(map(str, path))
 
     def scoped(fn, records: bool):
@@ -292,7 +292,7 @@ def _run(module, setup: _Setup, name: str, args, kwargs):
         if capture:
             _recording.append(entry)
         try:
-            with jax.named_scope(f"{ROOT_SCOPE}({setup.original.__name__})"):
+            with jax.named_scope(scopes.root_scope(setup.original.__name__)):
                 if index is None:
                     out = method(*call_args, **call_kwargs)
                 else:  # the model itself matches an override (a wrapped LayerNorm is a norm)

@@ -49,6 +49,7 @@ RANK = {
     "hlo": 0,
     "hardware": -1,  # below precision and mixed_ops, which ask it what the device runs
     "traced_for": -2,  # below hardware, which re-exports it
+    "scopes": -2,  # the NNX call scopes: names, read by fp8, nnx and inspect
     "loss_scale": 1,
     "engine": 0.9,  # the interpreter beneath autocast, wrap and nnx
     "attention": 0.6,  # fused attention in a compute dtype, which the engine calls

@@ -18,9 +18,9 @@ instruction's `op_name`. Around those names sit what JAX and jamp add:
 looks like a module's and drops what `jamp.wrap` put above the model.
 
 A `jamp.wrap`ped NNX model's submodule calls run in a scope naming their whole attribute path,
-`jamp_nnx(blocks.0.attn)` (`jamp.nnx.CALL_SCOPE`); the innermost such scope is the path
+`jamp_nnx(blocks.0.attn)` (`jamp.scopes.CALL_SCOPE`); the innermost such scope is the path
 ("blocks/0/attn"), whatever encloses it. The model's own call runs in
-`jamp_nnx_root(TransformerLM)` (`jamp.nnx.ROOT_SCOPE`): its root, path "".
+`jamp_nnx_root(TransformerLM)` (`jamp.scopes.ROOT_SCOPE`): its root, path "".
 
 Example::
 
@@ -41,11 +41,11 @@ from typing import Optional
 
 import flax.linen as nn
 
-from jamp.nnx import CALL_SCOPE as _NNX_SCOPE
-from jamp.nnx import ROOT_SCOPE as _NNX_ROOT
 from jamp.nnx import observing_calls as _observing_nnx_calls
 from jamp.overrides import TAG_PREFIX as wrap_tag
 from jamp.overrides import tag_index as _tag_index
+from jamp.scopes import CALL_SCOPE as _NNX_SCOPE
+from jamp.scopes import ROOT_SCOPE as _NNX_ROOT
 
 #: The scope `jamp.wrap` puts around an overridden submodule's call (see `jamp.overrides.tag`).
 _TAG = re.compile(rf"^{re.escape(wrap_tag)}(\d+)_$")
