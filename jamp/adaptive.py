@@ -21,7 +21,13 @@ One step's record is reduced to the modules it *blames* (`blame`):
   forward pass, the loss scale was too large and finding a smaller one is the loss scale's job:
   nothing is blamed.
 
-`Controller.observe` then promotes a module one rung up its ladder (float16 -> bfloat16 where the
+Under an fp8 policy, a module is also blamed on any step where one of its fp8 matmuls had values
+clipped: its amax went more than `SATURATION_LIMIT` times past E4M3's (or, for the gradient,
+E5M2's) largest value under the delayed scale it was quantised with (`saturated`, from the step's
+`jamp.fp8.saturation` metric). Saturation does not skip a step, it loses the top of the range
+quietly, so it is counted whether or not the step was skipped.
+
+`Controller.decide` then promotes a module one rung up its ladder (float16 -> bfloat16 where the
 platform runs bfloat16 matmuls natively, else float32; fp8 -> bfloat16; bfloat16 -> float32) when
 
 * it was blamed on at least `k` of the last `n` steps, or
@@ -88,7 +94,15 @@ REASONS = (
     "overflowed on {k} of the last {n} steps",
     "overflowed with the loss scale at its floor",
     "no overflow for {m} steps",
+    "overflowed or saturated its fp8 range on {k} of the last {n} steps",
 )
+
+#: An fp8 site whose amax went more than this factor past its format's largest value under the
+#: delayed scale it was quantised with (`jamp.fp8.saturation`) had values clipped by more than a
+#: binade: it is blamed like an overflow. Healthy delayed-scaling runs pass 1 on most steps (a
+#: growing tensor sets a new maximum) and 2 about once in 200-300 steps per site
+#: (`python -m jamp.train`, digits and lm_pydoc under mixed_fp8), never 6 times in 50.
+SATURATION_LIMIT = 2.0
 
 
 @struct.dataclass
@@ -161,6 +175,31 @@ def ladder(compute_dtype, *, bf16_fast: Optional[bool] = None) -> tuple[np.dtype
     raise ValueError(f"no precision ladder for compute dtype {dtype.name}")
 
 
+def site_module(site: str, modules: Sequence[str]) -> str:
+    """The module an fp8 site (`jamp.fp8.site_name`: "TransformerLM/DecoderBlock_0/Dense_0/
+    dot_general_1") belongs to: the longest of `modules` its scope ends with ("DecoderBlock_0/
+    Dense_0"); "" (the model itself) when none does."""
+    scope = site.rsplit("/", 1)[0] if "/" in site else ""
+    found = [m for m in modules if m and (scope == m or scope.endswith("/" + m))]
+    return max(found, key=len) if found else ""
+
+
+def saturated(
+    saturation: Mapping[str, Any], modules: Sequence[str], limit: float = SATURATION_LIMIT
+) -> tuple[str, ...]:
+    """The modules whose fp8 sites were clipped past `limit` on one step (`saturation`: the
+    step's `{site: ratio}`, `jamp.fp8.saturation`); a non-finite ratio is an overflow, which
+    `blame` handles."""
+    out = []
+    for site, ratio in saturation.items():
+        ratio = np.asarray(ratio, np.float64)
+        if np.all(np.isfinite(ratio)) and np.max(ratio) > limit:
+            module = site_module(site, modules)
+            if module and module not in out:
+                out.append(module)
+    return tuple(out)
+
+
 def blame(
     grads_finite_by_module: Mapping[str, Any],
     forward_finite_by_module: Optional[Mapping[str, Any]] = None,
@@ -203,7 +242,9 @@ def blame(
     # and that module's own weight gradient may stay finite: blame the last overflowed group in
     # call order and the module after it (the one whose input gradient may have overflowed).
     assert order is not None  # a call order ranked every group
-    top = [p for p in order if p and "/" not in p]
+    # The modules at the groups' level (linen's top-level modules; NNX's `blocks/0` ...): those
+    # no other called module holds.
+    top = [p for p in order if p and not any(p.startswith(q + "/") for q in order if q)]
     last = max(groups, key=ranked.index)
     after = top[top.index(last) + 1 : top.index(last) + 2] if last in top else []
     earlier = ranked[: ranked.index(last)]
@@ -294,6 +335,7 @@ class Controller:
         skipped: bool,
         at_floor: bool,
         blamed: Sequence[str] = (),
+        saturated: Sequence[str] = (),
     ) -> AdaptiveState:
         """Records one step; changes nothing yet (`decide` does).
 
@@ -304,16 +346,22 @@ class Controller:
             back off any further).
           blamed: the module paths `blame` returned for the step; paths the controller does not
             know are ignored.
+          saturated: modules whose fp8 matmuls were clipped on the step (`saturated`), blamed
+            whether or not the step was skipped; only modules computing in fp8 count.
         """
         mask = np.zeros(len(self.modules), bool)
         if skipped:
             for path in blamed:
                 if path in self._index:
                     mask[self._index[path]] = True
+        for path in saturated:
+            i = self._index.get(path)
+            if i is not None and self._at(state, i).itemsize == 1:
+                mask[i] = True
         history = np.array(state.history)
         history[step % self.n] = mask
         clean = np.where(mask, 0, np.asarray(state.clean) + 1).astype(np.int32)
-        floor = np.asarray(state.floor_blamed) | (mask & bool(at_floor))
+        floor = np.asarray(state.floor_blamed) | (mask & bool(at_floor) & bool(skipped))
         return state.replace(history=history, clean=clean, floor_blamed=floor)
 
     def decide(self, state: AdaptiveState, step: int) -> tuple[AdaptiveState, list[Change]]:
@@ -333,7 +381,7 @@ class Controller:
             top = len(self._ladders[i]) - 1
             rung[i] = min(rung[i], top)
             if rung[i] < top and counts[i] >= self.k:
-                why, move = 1, 1
+                why, move = (4 if self._ladders[i][rung[i]].itemsize == 1 else 1), 1
             elif rung[i] < top and floor[i]:
                 why, move = 2, 1
             elif self.demote_after and rung[i] > 0 and clean[i] >= self.demote_after:
@@ -377,9 +425,13 @@ class Controller:
         """
         moved = [(m, i) for i, m in enumerate(self.modules) if int(state.rung[i]) > 0]
         moved.sort(key=lambda mi: -mi[0].count("/"))
-        return {
-            m: dataclasses.replace(self.policy, compute_dtype=self._at(state, i)) for m, i in moved
-        }
+        return {m: self._policy_in(self._at(state, i)) for m, i in moved}
+
+    def _policy_in(self, dtype: np.dtype) -> jmp.Policy:
+        """The run's policy computing in `dtype`; fp8 matmuls only where `dtype` is fp8."""
+        if dtype.itemsize == 1:
+            return self.policy
+        return dataclasses.replace(precision.without_fp8(self.policy), compute_dtype=dtype)
 
     def promotions(self, state: AdaptiveState) -> list[str]:
         """One line per module that has moved, for a run's summary: "Dense_0: float16 -> float32

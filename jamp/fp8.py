@@ -261,6 +261,14 @@ def uses_state(state: Any) -> bool:
     return isinstance(state, Fp8State) and bool(state.sites)
 
 
+def carry_over(fresh: Fp8State, old: Fp8State) -> Fp8State:
+    """`fresh`'s sites (a program whose site set changed: adaptive precision moved a module out
+    of fp8, or back) with the histories and scales of those `old` had, as they were; new sites as
+    in `fresh`; sites `fresh` lacks are dropped."""
+    sites = {name: old.sites.get(name, site) for name, site in fresh.sites.items()}
+    return old.replace(sites=sites)
+
+
 def combine(a: Fp8State, b: Fp8State) -> Fp8State:
     """Two steps' (microbatches') observations as one: the elementwise max."""
     return jax.tree.map(jnp.maximum, a, b)
@@ -288,6 +296,22 @@ def update(state: Fp8State, observed: Fp8State) -> Fp8State:
 
     sites = {name: one(site, observed.sites[name]) for name, site in state.sites.items()}
     return state.replace(sites=sites)
+
+
+def saturation(state: Fp8State, observed: Fp8State) -> dict:
+    """`{site: f32}`: how far past its format's largest value this step's amax went under the
+    scales the step quantised with, `max over x, w, g of amax * scale / fmax` (above 1: values
+    were clipped to +-fmax, by that factor at the most). Meaningful for the delayed recipe once
+    a site has a history (current scaling quantises with the tensor's own amax); 0 otherwise, and
+    for a site whose history is still empty."""
+    out = {}
+    for name, site in state.sites.items():
+        now = observed.sites[name].amax_history[:, 0]
+        ratio = jnp.max(now * site.scale / _FMAX)
+        seen = jnp.max(site.amax_history) > 0
+        delayed = state.recipe == "delayed"
+        out[name] = jnp.where(seen, ratio, 0.0) if delayed else jnp.zeros((), _F32)
+    return out
 
 
 def metrics(state: Fp8State, names: Optional[Sequence[str]] = None) -> dict:

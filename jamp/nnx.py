@@ -403,6 +403,66 @@ def wrap(
     return copy
 
 
+def module_policies(model: nnx.Module, *args, **kwargs) -> dict[str, jmp.Policy]:
+    """The policy each submodule of a wrapped NNX model runs under, by attribute path
+    ("blocks/0/attention"; "" for the model), as `jamp.module_policies` gives a linen model's.
+
+    One abstract (shape-only) call of `model(*args, **kwargs)`, which changes nothing in `model`;
+    a submodule that no override matches runs under the policy of the nearest module above it
+    that one does (the model's own otherwise). The paths come in the order their calls finish (a
+    child before its parent, the model itself, "", last): the order a forward overflow travels
+    in. Modules the call does not reach are left out; so are the submodules of a wrapped model
+    within this one, which name their calls by their own paths and run under their own setup.
+
+    Example::
+
+      policies = jamp.nnx.module_policies(model, x)  # {"conv1": Policy(...), ..., "": ...}
+    """
+    if not is_wrapped(model):
+        raise TypeError(f"module_policies takes a jamp.wrap-ped NNX module, got {type(model)}")
+    setup: _Setup = type(model)._jamp_setup  # type: ignore[attr-defined]  # is_wrapped: set
+    starts: list[str] = []
+    graphdef, state = nnx.split(model)
+
+    def call(state, args, kwargs):
+        return nnx.merge(graphdef, state)(*args, **kwargs)
+
+    with observing_calls(lambda path, cls, call_setup: starts.append(path)):
+        jax.eval_shape(call, state, args, kwargs)
+    modules = {"/".join(map(str, path)): (path, node) for path, node in _nodes(model, nnx.Module)}
+    policies: dict[str, jmp.Policy] = {}
+    for spelled in _finish_order(starts):
+        if spelled not in modules:
+            continue
+        path, _ = modules[spelled]
+        policy = setup.policy
+        for depth in range(len(path) + 1):  # the innermost matching override wins
+            prefix = "/".join(map(str, path[:depth]))
+            if prefix in modules:
+                index = overrides_lib.first_match(setup.overrides, modules[prefix][1], path[:depth])
+                policy = setup.overrides[index][1] if index is not None else policy
+        policies[spelled] = policy
+    return policies
+
+
+def _finish_order(starts: list[str]) -> list[str]:
+    """Module paths in the order their calls finish, from the order they start: a call ends
+    before the next call that is not inside it (by path) starts; each path once, first finish."""
+    done: dict[str, None] = {}
+    stack: list[str] = []
+
+    def inside(path: str, outer: str) -> bool:
+        return outer == "" or path == outer or path.startswith(outer + "/")
+
+    for path in starts:
+        while stack and not inside(path, stack[-1]):
+            done.setdefault(stack.pop())
+        stack.append(path)
+    while stack:
+        done.setdefault(stack.pop())
+    return list(done)
+
+
 # ----- the functional side: jamp.make_train_step's loss function for an NNX model
 
 #: The state `split` keeps in `model_state` (what the step averages, selects and checkpoints):

@@ -29,6 +29,10 @@ from jamp import fp8
 from jamp.loss_scale import all_finite, finite_by_group, select_tree
 from jamp.state import TrainState
 
+#: The step metric `{fp8 site: how far past fmax its amax went}` (`jamp.fp8.saturation`), with
+#: an fp8 state: where delayed scaling clipped values, for adaptive precision.
+FP8_SATURATION = "fp8_saturation"
+
 PyTree = Any
 Metrics = Mapping[str, jax.Array]
 # loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, metrics))
@@ -265,7 +269,9 @@ def make_train_step(
         params = optax.apply_updates(state.params, updates)
         # A skipped step leaves everything but the loss scale and the counters bit-identical,
         # batch statistics included (a nan in them would otherwise poison every later step).
+        saturation = None
         if observed is not None:
+            saturation = fp8.saturation(f8, observed)
             f8 = fp8.update(f8, observed)
         params, opt_state, model_state, f8 = select_tree(
             finite,
@@ -295,6 +301,8 @@ def make_train_step(
             metrics["grads_finite_by_module"] = finite_by_module
         if fp8.uses_state(f8) and fp8_metric_sites:
             metrics["fp8"] = fp8.metrics(f8, fp8.representative(f8, fp8_metric_sites))
+        if saturation is not None:
+            metrics[FP8_SATURATION] = saturation
         return new_state, metrics
 
     # Lets jamp.parallel refuse to pmap a step that would not average across replicas.

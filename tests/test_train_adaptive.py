@@ -5,7 +5,8 @@ than the layer norm after it passes on (`hidden_gain`, a stand-in for the "massi
 of large LMs). Its activations carried in float16 (`activations=compute`, the GPU default)
 overflow there, in that one module, on every step: fp16 alone ends in the persistent-overflow
 stop; adaptive precision moves that module, and only it, to bfloat16 (float32 on a CPU without
-native bf16 matmuls).
+native bf16 matmuls). The same tests run on the linen model (`Dense_0`, the default recipe) and
+on the NNX one (`dense1`, the digits_nnx recipe).
 """
 
 from __future__ import annotations
@@ -39,20 +40,29 @@ UP = "bfloat16" if hardware.support(jnp.bfloat16).native else "float32"
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
-def _command(workdir, data_dir, **overrides):
+# flavor -> (recipe, the fragile module's path)
+FLAVORS = {"linen": ("default", "Dense_0"), "nnx": ("digits_nnx", "dense1")}
+
+
+@pytest.fixture(scope="module", params=list(FLAVORS))
+def flavor(request):
+    return request.param
+
+
+def _command(workdir, data_dir, flavor="linen", **overrides):
     flags = {**FRAGILE, "data_dir": data_dir, **overrides}
     return [
         sys.executable,
         "-m",
         "jamp.train",
-        "--config=configs/default.py",
+        f"--config=configs/{FLAVORS[flavor][0]}.py",
         f"--workdir={workdir}",
         *(f"--config.{k}={v}" for k, v in flags.items()),
     ]
 
 
-def _cli(workdir, data_dir, devices=2, **overrides):
-    return forked_cli(_command(workdir, data_dir, **overrides)[3:], devices)
+def _cli(workdir, data_dir, devices=2, flavor="linen", **overrides):
+    return forked_cli(_command(workdir, data_dir, flavor, **overrides)[3:], devices)
 
 
 def _records(workdir, kind):
@@ -77,7 +87,7 @@ def data_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, data_dir):
+def runs(tmp_path_factory, data_dir, flavor):
     """The fragile model for 300 steps on one device: adaptive fp16, and float32."""
     out = {}
     for name, flags in (
@@ -85,29 +95,30 @@ def runs(tmp_path_factory, data_dir):
         ("float32", {"policy": "float32"}),
     ):
         workdir = tmp_path_factory.mktemp(name) / "run"
-        result = _cli(workdir, data_dir, 1, num_train_steps=300, **flags)
+        result = _cli(workdir, data_dir, 1, flavor, num_train_steps=300, **flags)
         assert result.returncode == 0, result.stderr[-3000:]
         out[name] = (workdir, result)
     return out
 
 
 @pytest.mark.program
-def test_fp16_without_adaptation_ends_in_the_persistent_overflow_stop(tmp_path, data_dir):
-    out = _cli(tmp_path / "run", data_dir, num_train_steps=150)
+def test_fp16_without_adaptation_ends_in_the_persistent_overflow_stop(tmp_path, data_dir, flavor):
+    out = _cli(tmp_path / "run", data_dir, flavor=flavor, num_train_steps=150)
     assert out.returncode == 3, out.stderr[-2000:]
     assert "training stopped at step" in out.stderr and "cannot back off" in out.stderr
 
 
 @pytest.mark.program
-def test_adaptive_promotes_the_fragile_module_alone_within_n_steps(runs):
+def test_adaptive_promotes_the_fragile_module_alone_within_n_steps(runs, flavor):
     workdir, out = runs["adaptive"]
+    fragile = FLAVORS[flavor][1]
     changes = _records(workdir, "precision_change")
     assert [(c["module"], c["from_dtype"], c["to_dtype"]) for c in changes] == [
-        ("Dense_0", "float16", UP)
+        (fragile, "float16", UP)
     ]
     assert changes[0]["step"] <= 50  # n, the window
-    assert f"Dense_0 now computes in {UP} (was float16)" in out.stderr
-    assert _summary(out.stdout, "precision changes").startswith(f"Dense_0: float16 -> {UP} at step")
+    assert f"{fragile} now computes in {UP} (was float16)" in out.stderr
+    assert _summary(out.stdout, "precision changes").startswith(f"{fragile}: float16 -> {UP} at")
     # after the promotion nothing is skipped: the scale grows back to where it started
     train = _records(workdir, "train")
     assert train[-1]["skipped_steps"] == changes[0]["step"]
@@ -126,11 +137,11 @@ def _steps(workdir):
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 
 
-def _final(workdir, data_dir, flags):
+def _final(workdir, data_dir, flags, flavor):
     overrides = {k: v for k, v in flags.items() if k not in ("adaptive_precision", "adaptive.k")}
     overrides.update(adaptive_precision=True, model_config={"hidden_gain": 1e5})
     overrides.update(activations="compute", **{"adaptive.k": int(flags["adaptive.k"])})
-    target = recipe_state(data_dir, overrides)
+    target = recipe_state(data_dir, overrides, FLAVORS[flavor][0])
     with Checkpointer(workdir / "checkpoints") as ckpt:
         return ckpt.restore(target, step=30)
 
@@ -145,32 +156,32 @@ def _assert_bit_identical(got, want):
 
 
 @pytest.mark.program
-def test_promotion_survives_sigkill_and_resume_bit_exactly(tmp_path, data_dir):
+def test_promotion_survives_sigkill_and_resume_bit_exactly(tmp_path, data_dir, flavor):
     # k = 15: the module is blamed on steps 1-15 and promoted at step 15, after the checkpoint at
     # step 10. A run stopped at 10 and resumed must decide at 15 from the restored window; a run
     # killed after the checkpoint at 20 must keep the promotion. Both end bit-identical.
     flags = {"adaptive_precision": "true", "adaptive.k": 15, "num_train_steps": 30}
     flags.update(checkpoint_every_steps=10, log_every_steps=10, max_checkpoints_to_keep=5)
     reference = tmp_path / "reference"
-    out = _cli(reference, data_dir, **flags)
+    out = _cli(reference, data_dir, flavor=flavor, **flags)
     assert out.returncode == 0, out.stderr[-3000:]
     (change,) = _records(reference, "precision_change")
     assert change["step"] == 15
-    want = _final(reference, data_dir, flags)
+    want = _final(reference, data_dir, flags, flavor)
     assert int(np.asarray(want.adaptive_state.rung).sum()) == 1
 
     resumed = tmp_path / "resumed"  # stops at 10, before the decision
-    out = _cli(resumed, data_dir, **{**flags, "num_train_steps": 10})
+    out = _cli(resumed, data_dir, flavor=flavor, **{**flags, "num_train_steps": 10})
     assert out.returncode == 0 and not _records(resumed, "precision_change"), out.stderr[-3000:]
-    out = _cli(resumed, data_dir, **flags)
+    out = _cli(resumed, data_dir, flavor=flavor, **flags)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resuming from the checkpoint at step 10" in out.stdout
     assert [c["step"] for c in _records(resumed, "precision_change")] == [15]
-    _assert_bit_identical(_final(resumed, data_dir, flags), want)
+    _assert_bit_identical(_final(resumed, data_dir, flags, flavor), want)
 
     killed = tmp_path / "killed"
     proc = subprocess.Popen(
-        _command(killed, data_dir, **flags),
+        _command(killed, data_dir, flavor, **flags),
         cwd=ROOT,
         env=cli_env(),
         stdout=subprocess.PIPE,
@@ -187,12 +198,12 @@ def test_promotion_survives_sigkill_and_resume_bit_exactly(tmp_path, data_dir):
     finally:
         proc.kill()
     assert proc.returncode == -signal.SIGKILL and _steps(killed)[-1] < 30
-    out = _cli(killed, data_dir, **flags)
+    out = _cli(killed, data_dir, flavor=flavor, **flags)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resuming from the checkpoint" in out.stdout
     # the summary after the resume still lists the promotion made before the kill
-    assert f"Dense_0: float16 -> {UP} at step 15" in out.stdout
-    _assert_bit_identical(_final(killed, data_dir, flags), want)
+    assert f"{FLAVORS[flavor][1]}: float16 -> {UP} at step 15" in out.stdout
+    _assert_bit_identical(_final(killed, data_dir, flags, flavor), want)
 
 
 @pytest.mark.program
@@ -213,7 +224,9 @@ def test_adaptive_precision_can_be_switched_on_to_resume_a_run(tmp_path, data_di
 
 
 @pytest.mark.program
-def test_every_replica_and_the_sharded_step_promote_at_the_same_step(runs, tmp_path, data_dir):
+def test_every_replica_and_the_sharded_step_promote_at_the_same_step(
+    runs, tmp_path, data_dir, flavor
+):
     # The same first 12 steps as the one-device run of `runs`, over 8 replicas and sharded.
     changes = _records(runs["adaptive"][0], "precision_change")
     steps = {"one": [(c["step"], c["module"]) for c in changes if c["step"] <= 12]}
@@ -222,7 +235,9 @@ def test_every_replica_and_the_sharded_step_promote_at_the_same_step(runs, tmp_p
         ("sharded", {"parallelism": "sharded", "mesh": "data=2,fsdp=4"}),
     ):
         workdir = tmp_path / name
-        out = _cli(workdir, data_dir, 8, adaptive_precision="true", num_train_steps=12, **flags)
+        out = _cli(
+            workdir, data_dir, 8, flavor, adaptive_precision="true", num_train_steps=12, **flags
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         steps[name] = [(c["step"], c["module"]) for c in _records(workdir, "precision_change")]
     assert steps["one"] and steps["one"] == steps["pmap8"] == steps["sharded"], steps
@@ -260,8 +275,6 @@ ON = "--config.adaptive_precision=true"
         (["--config.keep_in_float32=middle:1"], ["first:N / last:N"]),
         (["--config.adaptive_precision=maybe"], ["adaptive_precision"]),
         (["--config.adaptive.k=80"], ["1 <= k <= n"]),
-        ([ON, "--config.model=seed_cnn_nnx"], ["linen model", "NNX"]),
-        ([ON, "--config.policy=mixed_fp8"], ["fp8", "keep_in_float32"]),
         # Settings that would silently do nothing (or undo themselves) are errors too.
         (["--config.keep_in_float32=Dense_9"], ["'Dense_9' matches no module", "Dense_0"]),
         (
@@ -340,3 +353,45 @@ def test_the_persistent_overflow_stop_says_when_promotions_have_run_out(tmp_path
     (line,) = [x for x in out.stderr.splitlines() if "training stopped" in x]
     assert "nothing left to promote: Dense_0 computes in float32 already" in line
     assert "bug in the data" in line and "bf16 policy" not in line
+
+
+@pytest.mark.program
+def test_an_fp8_promotion_rebuilds_the_fp8_state_and_resumes_bit_exactly(tmp_path, data_dir):
+    # hidden_gain 1e39 overflows Dense_0, the seed CNN's one fp8 matmul, in any format: with
+    # k = 15 it leaves fp8 at step 15 (its fp8 site goes from the state) and bfloat16 at step 30.
+    # A run stopped at 20 restores a checkpoint whose fp8 sites are not the fresh model's.
+    flags = {"adaptive_precision": "true", "adaptive.k": 15, "num_train_steps": 30}
+    flags.update(policy="mixed_fp8", model_config="{'hidden_gain': 1e39}")
+    flags.update(checkpoint_every_steps=10, log_every_steps=10, max_checkpoints_to_keep=5)
+    reference = tmp_path / "reference"
+    out = _cli(reference, data_dir, **flags)
+    assert out.returncode == 0, out.stderr[-3000:]
+    changes = [
+        (c["step"], c["from_dtype"], c["to_dtype"]) for c in _records(reference, "precision_change")
+    ]
+    assert changes == [(15, "float8_e4m3fn", "bfloat16"), (30, "bfloat16", "float32")]
+    assert "overflowed or saturated its fp8 range on 15 of the last 50 steps" in out.stderr
+    sites = {
+        step: set(_restored(reference, data_dir, flags, step).fp8_state.sites) for step in (10, 20)
+    }
+    assert sites == {10: {"SeedCNN/Dense_0/dot_general"}, 20: set()}
+
+    resumed = tmp_path / "resumed"
+    out = _cli(resumed, data_dir, **{**flags, "num_train_steps": 20})
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = _cli(resumed, data_dir, **flags)
+    assert out.returncode == 0 and "resuming from the checkpoint at step 20" in out.stdout
+    assert [c["step"] for c in _records(resumed, "precision_change")] == [15, 30]
+    want = _restored(reference, data_dir, flags, 30)
+    _assert_bit_identical(_restored(resumed, data_dir, flags, 30), want)
+
+
+def _restored(workdir, data_dir, flags, step):
+    from jamp.train import loop
+
+    overrides = {k: v for k, v in flags.items() if k not in ("adaptive_precision", "adaptive.k")}
+    overrides.update(adaptive_precision=True, model_config={"hidden_gain": 1e39})
+    overrides.update(activations="compute", **{"adaptive.k": int(flags["adaptive.k"])})
+    target = recipe_state(data_dir, overrides)
+    with Checkpointer(workdir / "checkpoints") as ckpt:
+        return ckpt.restore(target, step=step, fit=loop._fp8_sites_as_stored)

@@ -24,7 +24,9 @@ from jamp.models.cnn import max_pool_2x2
 class SeedCNN(nnx.Module):
     """conv 32 (3x3) + ReLU; conv 64 (3x3) + ReLU + 2x2 max-pool; dense 256 + ReLU; dense classes.
 
-    `image_shape` (H, W, C) sizes the first dense layer; `stem_multiplier` as in the linen model.
+    `image_shape` (H, W, C) sizes the first dense layer; `stem_multiplier` and `hidden_gain` as in
+    the linen model (`hidden_gain` g != 1: dense1's weights g times larger, a LayerNorm `norm`
+    after it).
     """
 
     def __init__(
@@ -33,6 +35,7 @@ class SeedCNN(nnx.Module):
         *,
         image_shape: Sequence[int] = (32, 32, 3),
         stem_multiplier: float = 1.0,
+        hidden_gain: float = 1.0,
         rngs: nnx.Rngs,
     ):
         h, w, c = image_shape
@@ -40,7 +43,11 @@ class SeedCNN(nnx.Module):
         init = nnx.initializers.variance_scaling(1.0 / m**2, "fan_in", "truncated_normal")
         self.conv1 = nnx.Conv(c, 32, (3, 3), padding=1, kernel_init=init, rngs=rngs)
         self.conv2 = nnx.Conv(32, 64, (3, 3), padding=1, rngs=rngs)
-        self.dense1 = nnx.Linear(64 * (h // 2) * (w // 2), 256, rngs=rngs)
+        g = self.hidden_gain = hidden_gain
+        big = nnx.initializers.variance_scaling(g**2, "fan_in", "truncated_normal")
+        dense1_init = big if g != 1 else nnx.initializers.lecun_normal()
+        self.dense1 = nnx.Linear(64 * (h // 2) * (w // 2), 256, kernel_init=dense1_init, rngs=rngs)
+        self.norm = nnx.LayerNorm(256, rngs=rngs) if g != 1 else None
         self.dense2 = nnx.Linear(256, num_classes, rngs=rngs)
 
     def __call__(self, images_NHWC):
@@ -48,7 +55,8 @@ class SeedCNN(nnx.Module):
         x = self.conv1(images_NHWC)
         x = nnx.relu(x * m if m != 1 else x)
         x = max_pool_2x2(nnx.relu(self.conv2(x)))
-        x = nnx.relu(self.dense1(x.reshape(x.shape[0], -1)))
+        x = self.dense1(x.reshape(x.shape[0], -1))
+        x = nnx.relu(self.norm(x) if self.norm is not None else x)
         return self.dense2(x)
 
 

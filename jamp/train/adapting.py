@@ -13,14 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jamp import adaptive
-from jamp.loss_scale import DynamicLossScale
+from jamp import adaptive, precision
+from jamp import nnx as jamp_nnx
+from jamp.loss_scale import DynamicLossScale, finite_by_group
+from jamp.step import FP8_SATURATION
 from jamp.train.overflow_watch import BY_MODULE, FORWARD
-from jamp.wrap import Wrapped, module_policies
-from jamp.wrap import wrap as wrap_linen
+from jamp.wrap import Wrapped, module_policies, wrap
 
 # What the controller reads of each step's metrics; the rest stays on the device.
-_READ = ("grads_finite", "loss_scale", BY_MODULE, FORWARD)
+_READ = ("grads_finite", "loss_scale", BY_MODULE, FORWARD, FP8_SATURATION)
 
 
 def _dummy(info):
@@ -29,17 +30,47 @@ def _dummy(info):
 
 
 def layout(model, info) -> tuple[dict, list[str]]:
-    """`({module path: compute dtype}, top-level paths in call order)` of a wrapped model, from
-    an abstract init and call (nothing runs). An NNX model (its program view) has no module
-    calls to intercept: its top-level parameter groups, a list of blocks as its items
-    (`blocks/0`, `blocks/1`, ...), and no dtypes."""
+    """`({module path: compute dtype} in the order the calls finish, top-level paths in call
+    order)` of a wrapped model, from an abstract init and call (nothing runs). An NNX model (its
+    program view): attribute paths (`blocks/0/attention`), its top-level submodules in the order
+    its constructor assigned them, a list of blocks as its items (`blocks/0`, `blocks/1`, ...)."""
     x = _dummy(info)
-    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), x, train=False))
     if not isinstance(model, Wrapped):
-        return {}, _nnx_top_level(model, x)
+        return _nnx_dtypes(model, x), _nnx_top_level(model, x)
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), x, train=False))
     policies = module_policies(model, variables, x, train=False)
-    dtypes = {path: np.dtype(p.compute_dtype) for path, p in policies.items()}
+    dtypes = {path: np.dtype(precision.autocast_dtype(p)) for path, p in policies.items()}
     return dtypes, [p for p in policies if p and "/" not in p]
+
+
+def _nnx_dtypes(view, x) -> dict:
+    """Each submodule's compute dtype under the view's policy and overrides, from an abstract
+    build and call (the view itself is left as it was)."""
+    from flax import nnx
+
+    found: dict = {}
+
+    def run():
+        module = view.spec.build(tuple(x.shape[1:]), nnx.Rngs(0))
+        model = wrap(module, view.policy, view.overrides, activations=view.activations)
+        model.eval()
+        found.update(jamp_nnx.module_policies(model, x))
+        return 0
+
+    jax.eval_shape(run)
+    return {path: np.dtype(precision.autocast_dtype(p)) for path, p in found.items()}
+
+
+def abstract_variables(model, info) -> dict:
+    """The model's variables' shapes and dtypes, from an abstract init (an NNX view's own build
+    is left as it was: a fresh view is initialised)."""
+    if not isinstance(model, Wrapped):
+        model = type(model)(model.spec, model.policy, model.activations, model.overrides)
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), _dummy(info)))
+
+
+def _abstract_params(model, info):
+    return abstract_variables(model, info)["params"]
 
 
 def module_paths(model, info) -> list[str]:
@@ -91,8 +122,8 @@ def _nnx_top_level(view, x) -> list[str]:
 def rewrap(model, overrides):
     """The same model under the same policy with `overrides` (path -> policy) instead."""
     if isinstance(model, Wrapped):
-        return wrap_linen(model.module, model.policy, overrides, activations=model.activations)
-    return type(model)(model.spec, model.policy, model.activations, overrides)
+        return wrap(model.module, model.policy, overrides, activations=model.activations)
+    return model.with_overrides(overrides)
 
 
 class Adapting:
@@ -108,8 +139,10 @@ class Adapting:
     def __init__(self, run, model, info, static):
         k, n, demote_after = run.adaptive
         dtypes, _ = layout(model, info)
-        params = jax.eval_shape(lambda: model.init(jax.random.key(0), _dummy(info)))["params"]
-        modules = [p for p in dtypes if p] + [str(g) for g in params if str(g) not in dtypes]
+        # The gradient groups the step's flags name (top-level modules, each block of a list)
+        # that are not modules of their own (a parameter of the model itself).
+        groups = jax.eval_shape(finite_by_group, _abstract_params(model, info))
+        modules = [p for p in dtypes if p] + [g for g in groups if g not in dtypes]
         self.controller = adaptive.Controller(
             run.policy, modules, k=k, n=n, demote_after=demote_after, start=dtypes
         )
@@ -179,8 +212,9 @@ class Adapting:
             # the scale this step ran with, not the one it adjusted to
             at_floor = skipped and self._floor is not None and self._scale <= self._floor
             self._scale = np.float32(m["loss_scale"])
+            clipped = adaptive.saturated(m.get(FP8_SATURATION, {}), self.controller.modules)
             ctl = self.controller.observe(
-                ctl, step, skipped=skipped, at_floor=at_floor, blamed=blamed
+                ctl, step, skipped=skipped, at_floor=at_floor, blamed=blamed, saturated=clipped
             )
         self.pending = []
         self.ctl = ctl

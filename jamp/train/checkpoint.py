@@ -35,7 +35,7 @@ import dataclasses
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -351,7 +351,12 @@ class Checkpointer:
             raise CheckpointError(self._save_failure("a checkpoint", e)) from e
 
     def restore(
-        self, target: TrainState, step: int | None = None, *, set_aside_damaged: bool = False
+        self,
+        target: TrainState,
+        step: int | None = None,
+        *,
+        set_aside_damaged: bool = False,
+        fit: Optional[Callable[[Any, Any], Any]] = None,
     ) -> TrainState:
         """Returns the checkpointed state, with the structure, dtypes and placement of `target`.
 
@@ -365,6 +370,9 @@ class Checkpointer:
             set_aside_damaged: once an older checkpoint has been restored, rename the damaged
                 newer ones `<step>/` -> `<step>.corrupt/` (kept, never deleted), so that the run
                 can save those steps again: Orbax never saves at or before its latest step.
+            fit: `fit(target, stored_tree) -> target`, given each candidate checkpoint's tree
+                metadata: the target made to hold what that checkpoint holds where the run
+                allows it to differ (adaptive precision's fp8 site set); None: as it is.
 
         Raises:
             CheckpointError: no checkpoint exists, none can be read, the requested step is missing
@@ -387,7 +395,7 @@ class Checkpointer:
         failures = []
         for candidate in reversed(steps):
             try:
-                restored = self._restore_step(candidate, abstract, wanted)
+                restored = self._restore_step(candidate, abstract, wanted, fit)
             except CheckpointError:
                 raise
             except Exception as e:
@@ -436,9 +444,12 @@ class Checkpointer:
             )
         self._manager.reload()
 
-    def _restore_step(self, step: int, abstract: Any, wanted: dict) -> TrainState:
+    def _restore_step(self, step: int, abstract: Any, wanted: dict, fit=None) -> TrainState:
         stored = self._manager.metadata(step).item_metadata
         stored_tree = getattr(stored, "tree", stored)
+        if fit is not None and stored_tree is not None:
+            abstract = _abstract(fit(abstract, stored_tree))
+            wanted = _leaf_specs(abstract)
         switched = _switched_on(abstract, stored_tree)
         if switched:  # e.g. adaptive precision turned on to resume a run that had it off
             fields = {f.name: getattr(abstract, f.name) for f in dataclasses.fields(abstract)}

@@ -28,7 +28,7 @@ from jamp.state import TrainState
 from jamp.step import make_eval_step, make_train_step
 from jamp.train import adapting, run_log, tasks
 from jamp.train import data as data_lib
-from jamp.train.checkpoint import Checkpointer
+from jamp.train.checkpoint import Checkpointer, CheckpointError
 from jamp.train.metrics import MetricWriter, mean_metrics, peak_memory_mib, summary_table
 from jamp.train.nnx_adapter import LinenView
 from jamp.train.optim import make_optimizer
@@ -108,21 +108,7 @@ def init_state(
     params = variables.pop("params")
     fp8_state = None
     if fp8_scaling is not None:
-        recipe, history, margin = fp8_scaling
-        if info.task == "lm":
-            batch = {"tokens": jnp.zeros((1, info.input_shape[0] + 1), jnp.int32)}
-        else:
-            batch = {"image": dummy, "label": jnp.zeros((1,), jnp.int32)}
-        fp8_state = fp8.init_state(
-            tasks.make_loss_fn(model, info.task),
-            params,
-            variables,
-            batch,
-            jax.random.key(seed),
-            recipe=recipe,
-            history=history,
-            margin=margin,
-        )
+        fp8_state = fp8_state_for(model, info, params, variables, fp8_scaling)
     return TrainState.create(
         params,
         tx,
@@ -131,6 +117,43 @@ def init_state(
         fp8_state=fp8_state,
         adaptive_state=adaptive_state,
     )
+
+
+def fp8_state_for(model, info, params, model_state, fp8_scaling) -> fp8.Fp8State:
+    """A fresh fp8 state (`(recipe, history, margin)`) with a site for every fp8 matmul of the
+    train step's loss on `model`; `params` and `model_state` may be abstract."""
+    recipe, history, margin = fp8_scaling
+    dtype = jnp.int32 if info.task == "lm" else jnp.float32
+    dummy = jnp.zeros((1, *info.input_shape), dtype)
+    if info.task == "lm":
+        batch = {"tokens": jnp.zeros((1, info.input_shape[0] + 1), jnp.int32)}
+    else:
+        batch = {"image": dummy, "label": jnp.zeros((1,), jnp.int32)}
+    return fp8.init_state(
+        tasks.make_loss_fn(model, info.task),
+        params,
+        model_state,
+        batch,
+        jax.random.key(0),
+        recipe=recipe,
+        history=history,
+        margin=margin,
+    )
+
+
+def _fp8_after_promotion(run, model, info, state):
+    """The placed fp8 state for `model` (rebuilt with other overrides): a site for each of its
+    fp8 matmuls, the surviving sites' histories and scales carried over as they are on the
+    devices, a site that is new (a demotion back to fp8) fresh."""
+    variables = dict(adapting.abstract_variables(model, info))
+    params = variables.pop("params")
+    fresh = fp8_state_for(model, info, params, variables, run.fp8)
+    old = state.fp8_state.sites
+    scalar = state.loss_scale.loss_scale  # placed replicated, as every fp8 site is
+    for name, site in fresh.sites.items():
+        if name not in old:  # placed like the others; kept ones stay where they are
+            fresh.sites[name] = _placed_like(run, site, jax.tree.map(lambda _: scalar, site))
+    return fp8.carry_over(fresh, state.fp8_state)
 
 
 class _StopFlag:
@@ -223,6 +246,40 @@ def _placed(state, shardings) -> bool:
     )
 
 
+def _fp8_sites_as_stored(target, stored_tree):
+    """Adaptive precision under fp8: the restore target's fp8 sites are the checkpoint's (a
+    promotion before it removed some), shaped as stored and placed like the target's."""
+    stored = stored_tree.get("fp8_state") if isinstance(stored_tree, dict) else None
+    sites = stored.get("sites") if isinstance(stored, dict) else None
+    if not isinstance(sites, dict) or target.fp8_state is None:
+        return target
+    if set(sites) == set(target.fp8_state.sites):
+        return target
+    like = next(iter(target.fp8_state.sites.values()), None)
+    sharding = getattr(jax.tree.leaves(like)[0] if like is not None else None, "sharding", None)
+
+    def spec(meta):
+        return jax.ShapeDtypeStruct(tuple(meta.shape), meta.dtype, sharding=sharding)
+
+    made = {name: fp8.Site(spec(m["amax_history"]), spec(m["scale"])) for name, m in sites.items()}
+    return target.replace(fp8_state=target.fp8_state.replace(sites=made))
+
+
+def _check_fp8_sites(run, model, info, state) -> None:
+    """Raises CheckpointError when the restored fp8 sites are not those of the model the restored
+    promotions give (a checkpoint of another model or config)."""
+    variables = dict(adapting.abstract_variables(model, info))
+    params = variables.pop("params")
+    want = set(fp8_state_for(model, info, params, variables, run.fp8).sites)
+    got = set(state.fp8_state.sites)
+    if want != got:
+        extra = sorted(got - want) or sorted(want - got)
+        raise CheckpointError(
+            f"the checkpoint's fp8 matmul sites are not this model's under its promotions "
+            f"({extra[0]!r} differs); use another --workdir or the original config"
+        )
+
+
 def _restore_target(run, state):
     """What a checkpoint is restored into: under pmap the host state; sharded, the state's shapes
     and dtypes with the mesh's shardings, so that each process reads only its own shards and the
@@ -289,10 +346,13 @@ def train_and_evaluate(
     with Checkpointer(workdir / "checkpoints", max_to_keep=run.max_checkpoints_to_keep) as ckpt:
         if ckpt.latest_step() is not None:
             # CheckpointError if it belongs to another config; damaged newer ones are set aside
-            state = ckpt.restore(_restore_target(run, state), set_aside_damaged=True)
+            fit = _fp8_sites_as_stored if adapt is not None and run.fp8 else None
+            state = ckpt.restore(_restore_target(run, state), set_aside_damaged=True, fit=fit)
             print(f"resuming from the checkpoint at step {int(state.step)}", flush=True)
             if adapt is not None:  # the promotions made before the checkpoint hold again
                 state = adapt.resume(state)
+                if run.fp8:
+                    _check_fp8_sites(run, adapt.model, dataset.info, state)
         notes = run_log.hardware_notes(config.policy, run.policy)
         start = int(state.step)
         primary = jax.process_index() == 0  # the others hold the same averaged metrics
@@ -395,7 +455,11 @@ def _train(
                     model = adapt.model
                     # Promoted, the module no longer forces the scale down: start it afresh,
                     # placed like the scale it replaces (the rest of the state stays put).
-                    state = state.replace(loss_scale=_placed_like(run, run.loss_scale, state))
+                    scale = _placed_like(run, run.loss_scale, state.loss_scale)
+                    state = state.replace(loss_scale=scale)
+                    if run.fp8:  # the promoted modules' fp8 sites are gone from the program
+                        fp8_state = _fp8_after_promotion(run, model, dataset.info, state)
+                        state = state.replace(fp8_state=fp8_state)
                     placement = _placement(run, train_step_fn, eval_fn, state)
                     p_train_step = placement.train_step
         if run.trace_nonfinite and not bool(np.all(jax.device_get(metrics["grads_finite"]))):
@@ -455,14 +519,15 @@ def _train(
     return summary
 
 
-def _placed_like(run, loss_scale, state):
-    """`loss_scale` (host values) placed like `state.loss_scale`: replicated under pmap; with the
-    mesh's replicated shardings when sharded (every process holds the same values, so this
-    works across processes, where copying the whole state through the host would not)."""
+def _placed_like(run, tree, like):
+    """`tree` (host values of replicated state: a loss scale, an fp8 site) placed like `like`, a
+    placed tree of its structure: replicated under pmap; with `like`'s (replicated) shardings
+    when sharded (every process holds the same values, so this works across processes, where
+    copying the whole state through the host would not)."""
     if run.parallelism != "sharded":
-        return parallel.replicate(loss_scale)
-    shardings = jax.tree.map(lambda x: x.sharding, state.loss_scale)
-    return jax.device_put(jax.tree.map(np.asarray, loss_scale), shardings)
+        return parallel.replicate(tree)
+    shardings = jax.tree.map(lambda x: x.sharding, like)
+    return jax.device_put(jax.tree.map(np.asarray, tree), shardings)
 
 
 def _savable(host_state, adapt):

@@ -30,11 +30,13 @@ class LinenView:
         self.spec, self.policy, self.activations = spec, policy, activations
         self.overrides = overrides
         self._built: Optional[tuple] = None  # (functional, params treedef, model-state treedef)
+        self._input_shape: tuple = ()
 
     def init(self, rng, x, train: bool = False) -> dict:
         del train
         rngs = nnx.Rngs(params=rng, dropout=jax.random.fold_in(rng, 1))
-        module = self.spec.build(tuple(x.shape[1:]), rngs)
+        self._input_shape = tuple(x.shape[1:])
+        module = self.spec.build(self._input_shape, rngs)
         model = wrap(module, self.policy, self.overrides, activations=self.activations)
         functional, params, model_state = jamp_nnx.split(model)
         variables = {"params": nnx.to_pure_dict(params)}
@@ -48,6 +50,32 @@ class LinenView:
             pure,
         )
         return variables
+
+    def with_overrides(self, overrides) -> "LinenView":
+        """The same model under the same policy with `overrides` instead, ready to `apply` the
+        variables this view's `init` made (adaptive precision's rebuild): the new wrapping is
+        built abstractly (no parameter is drawn) and keeps this view's RNG state."""
+        view = LinenView(self.spec, self.policy, self.activations, overrides)
+        if self._built is None:
+            return view
+        functional, params_def, state_def, pure = self._built
+        found = {}
+
+        def build(shape):
+            module = self.spec.build(shape, nnx.Rngs(0))
+            model = wrap(module, self.policy, overrides, activations=self.activations)
+            graphdef, params, _, model_state = nnx.split(model, nnx.Param, nnx.RngState, ...)
+            found["graphdef"] = graphdef
+            found["defs"] = (jax.tree.structure(params), jax.tree.structure(model_state))
+            return 0
+
+        jax.eval_shape(lambda: build(self._input_shape))
+        if found["defs"] != (params_def, state_def):
+            raise ValueError(f"{self.spec.name}: overrides changed the model's variables")
+        rebuilt = jamp_nnx.Functional(found["graphdef"], functional.rng_state, functional.streams)
+        view._built = (rebuilt, params_def, state_def, pure)
+        view._input_shape = self._input_shape
+        return view
 
     def _model(self, variables, train: bool, rngs):
         if self._built is None:

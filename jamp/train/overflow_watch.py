@@ -29,6 +29,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from jamp.loss_scale import DynamicLossScale
+from jamp.step import FP8_SATURATION
 
 #: Accepted values of the `on_persistent_overflow` config field.
 ON_PERSISTENT_OVERFLOW = ("stop", "warn")
@@ -131,8 +132,9 @@ FORWARD = "forward_finite_by_module"
 
 
 def without_flags(metrics: Mapping[str, Any]) -> dict:
-    """The step metrics minus the per-module flags: the scalars `mean_metrics` averages."""
-    return {k: v for k, v in metrics.items() if k not in (BY_MODULE, FORWARD)}
+    """The step metrics minus the per-module flags and fp8 saturations: the scalars
+    `mean_metrics` averages."""
+    return {k: v for k, v in metrics.items() if k not in (BY_MODULE, FORWARD, FP8_SATURATION)}
 
 
 def advice() -> str:

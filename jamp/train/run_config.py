@@ -23,7 +23,7 @@ import numpy as np
 from jamp import activations as activations_lib
 from jamp import adaptive, fp8, hardware, precision, sharding
 from jamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
-from jamp.models import is_nnx, model_task
+from jamp.models import model_task
 from jamp.precision import get_policy
 from jamp.train import data as data_lib
 from jamp.train.optim import OptimConfig
@@ -217,20 +217,10 @@ def _adaptive(config, policy):
         raise ConfigError(f"adaptive needs 1 <= k <= n, got k={k} and n={n}")
     if not on:
         return None
-    if is_nnx(config.model):
-        raise ConfigError(
-            f"adaptive_precision runs on a linen model for now; {config.model!r} is an NNX "
-            "model (keep_in_float32 places NNX modules statically)"
-        )
     if config.get("profile_steps", 0):
         raise ConfigError(
             "adaptive_precision reads every step's metrics, and profiled steps log none: use "
             "profile_steps in a run without adaptive_precision"
-        )
-    if precision.is_fp8(policy):
-        raise ConfigError(
-            "adaptive_precision runs with float16 and bfloat16 policies; under an fp8 policy "
-            "use keep_in_float32 (or the policy's own overrides) for now"
         )
     if demote and demote <= k:
         raise ConfigError(
