@@ -126,7 +126,12 @@ def rules_from_metadata(variables: PyTree, logical_rules: Optional[Sequence] = N
 
 
 def path_keys(path) -> tuple[str, ...]:
+    """A pytree key path as strings; an NNX variable's own `.value` at its end is left out, so
+    a model's variables inside the traced program (NNX state: `embed/embedding/.value`) match
+    the params as a train state holds them (`embed/embedding`)."""
     out = []
+    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+        path = path[:-1]
     for entry in path:
         for attr in ("key", "name", "idx"):
             if hasattr(entry, attr):
