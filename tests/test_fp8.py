@@ -268,9 +268,61 @@ def _all_dots(closed):
     return walk(closed.jaxpr)
 
 
+# The fp8 battery runs on the linen Transformer and on the same architecture written in NNX
+# (jamp.models.nnx_models.TransformerLM, wrapped by jamp.wrap's NNX path and used through the
+# training program's init / apply view, whose params are plain nested dicts).
+FLAVORS = ("linen", "nnx")
+NAMES = {
+    "linen": {
+        "mlp": "TransformerLM/DecoderBlock_0/Dense_0/dot_general",
+        "attention": "TransformerLM/DecoderBlock_0/MultiHeadDotProductAttention_0",
+        "kernel": ("DecoderBlock_0", "Dense_0", "kernel"),
+        "embedding": ("Embed_0", "embedding"),
+    },
+    "nnx": {
+        "mlp": "TransformerLM/blocks/0/mlp_in/dot_general",
+        "attention": "TransformerLM/blocks/0/attention",
+        "kernel": ("blocks", 0, "mlp_in", "kernel"),
+        "embedding": ("embed", "embedding"),
+    },
+}
+
+
+def _wrapped(flavor, policy, num_layers=2):
+    """The Transformer LM under `policy`, with linen's init / apply (initialised)."""
+    if flavor == "linen":
+        return jamp.wrap(_lm(num_layers), policy)
+    from jamp.models import NnxModel, nnx_models
+    from jamp.train.nnx_adapter import LinenView
+
+    def build(input_shape, rngs):
+        sizes = dict(num_layers=num_layers, d_model=32, num_heads=2, mlp_dim=64)
+        return nnx_models.TransformerLM(VOCAB, **sizes, rngs=rngs)
+
+    view = LinenView(NnxModel("transformer_lm_nnx", build), policy)
+    view.init(jax.random.key(0), _tokens()[:, :-1])
+    return view
+
+
+def _at(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+@pytest.fixture(scope="module", params=FLAVORS)
+def flavor(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def lm_setup():
-    model = jamp.wrap(_lm(), "mixed_fp8")
+def names(flavor):
+    return NAMES[flavor]
+
+
+@pytest.fixture(scope="module")
+def lm_setup(flavor):
+    model = _wrapped(flavor, "mixed_fp8")
     params = model.init(jax.random.key(0), _tokens()[:, :-1])["params"]
     return model, params
 
@@ -334,12 +386,12 @@ def test_fp8_embedding_override_keeps_the_residual_stream_16_bit_as_bfloat16_doe
         }, policy
 
 
-def test_gradients_under_mixed_fp8_are_close_to_mixed_bfloat16(lm_setup):
+def test_gradients_under_mixed_fp8_are_close_to_mixed_bfloat16(lm_setup, flavor):
     _, params = lm_setup
     tokens = _tokens()
 
     def grads(policy):
-        loss_fn = _loss_fn(jamp.wrap(_lm(), policy))
+        loss_fn = _loss_fn(_wrapped(flavor, policy))
         return jax.grad(lambda p: loss_fn(p, {}, tokens, None)[0])(params)
 
     ref, bf16, f8 = grads("float32"), grads("mixed_bfloat16"), grads("mixed_fp8")
@@ -362,11 +414,11 @@ def test_gradients_under_mixed_fp8_are_close_to_mixed_bfloat16(lm_setup):
 # ----- the delayed-scaling state
 
 
-def test_init_state_has_a_site_per_layer_matmul_with_empty_history(lm_setup):
+def test_init_state_has_a_site_per_layer_matmul_with_empty_history(lm_setup, names):
     model, params = lm_setup
     st = fp8.init_state(_loss_fn(model), params, {}, _tokens(), None, history=4)
     assert len(st.sites) == 12 and st.history == 4 and st.recipe == "delayed"
-    name = "TransformerLM/DecoderBlock_0/Dense_0/dot_general"
+    name = names["mlp"]
     assert name in st.sites
     site = st.sites[name]
     assert site.amax_history.shape == (3, 4) and not np.any(site.amax_history)
@@ -415,12 +467,12 @@ def _run(step, state, batches):
     return state, metrics
 
 
-def test_train_step_updates_the_delayed_state_and_reports_sites(lm_setup):
+def test_train_step_updates_the_delayed_state_and_reports_sites(lm_setup, names):
     model, params = lm_setup
     tx = optax.adam(1e-3)
     step = jax.jit(jamp.make_train_step(_loss_fn(model), tx))
     state, metrics = _run(step, _state(model, params), [_tokens(s) for s in range(3)])
-    site = state.fp8_state.sites["TransformerLM/DecoderBlock_0/Dense_0/dot_general"]
+    site = state.fp8_state.sites[names["mlp"]]
     assert np.all(site.amax_history[:, :3] > 0) and not np.any(site.amax_history[:, 3])
     # the scale is fmax over the history's largest amax
     want = fp8._FMAX / np.max(np.asarray(site.amax_history), axis=1)
@@ -435,21 +487,21 @@ def test_train_step_updates_the_delayed_state_and_reports_sites(lm_setup):
     assert step._cache_size() == 1  # the state's dtypes and structure are stable: one compile
     # query, key and value read one input: equal x histories and scales, so that the first
     # reader's x scale serving all three (fp8.dot_general) changes no value
-    attn = "TransformerLM/DecoderBlock_0/MultiHeadDotProductAttention_0"
+    attn = names["attention"]
     q, k, v = (state.fp8_state.sites[f"{attn}/{n}/dot_general"] for n in ("query", "key", "value"))
     for other in (k, v):
         np.testing.assert_array_equal(other.amax_history[0], q.amax_history[0])
         assert float(other.scale[0]) == float(q.scale[0])
 
 
-def test_delayed_scaling_differs_from_current_and_uses_the_state(lm_setup):
+def test_delayed_scaling_differs_from_current_and_uses_the_state(lm_setup, names):
     model, params = lm_setup
     step = jax.jit(jamp.make_train_step(_loss_fn(model), optax.adam(1e-3)))
     batches = [_tokens(s) for s in range(3)]
     delayed, _ = _run(step, _state(model, params, "delayed"), batches)
     current, _ = _run(step, _state(model, params, "current"), batches)
     stateless, _ = _run(step, jamp.TrainState.create(params, optax.adam(1e-3)), batches)
-    leaf = lambda s: np.asarray(s.params["DecoderBlock_0"]["Dense_0"]["kernel"])  # noqa: E731
+    leaf = lambda s: np.asarray(_at(s.params, names["kernel"]))  # noqa: E731
     # current scaling with a recording state is the stateless computation, bit for bit
     np.testing.assert_array_equal(leaf(current), leaf(stateless))
     assert not np.array_equal(leaf(delayed), leaf(current))
@@ -671,7 +723,7 @@ def test_sites_inside_remat_have_state_and_scan_bodies_are_current_scaled(
     assert dots.count(("float8_e5m2", "float8_e4m3fn")) == backward
 
 
-def test_sharded_fp8_weights_cross_the_wire_in_fp8(lm_setup, warm):
+def test_sharded_fp8_weights_cross_the_wire_in_fp8(lm_setup, warm, names):
     """FSDP: each layer's kernel is quantised on its shards and gathered as E4M3 (a quarter of
     float32's bytes, half of bf16's); the tied head's embedding is gathered in bf16."""
     from jamp import sharding
@@ -699,7 +751,7 @@ def test_sharded_fp8_weights_cross_the_wire_in_fp8(lm_setup, warm):
         by_dtype[c.dtype] = by_dtype.get(c.dtype, 0) + c.nbytes
     assert by_dtype == {
         "f8e4m3fn": sum(k.size for k in kernels),
-        "bf16": 2 * params["Embed_0"]["embedding"].size,
+        "bf16": 2 * _at(params, names["embedding"]).size,
     }
 
 
