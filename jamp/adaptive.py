@@ -177,11 +177,17 @@ def ladder(compute_dtype, *, bf16_fast: Optional[bool] = None) -> tuple[np.dtype
 
 def site_module(site: str, modules: Sequence[str]) -> str:
     """The module an fp8 site (`jamp.fp8.site_name`: "TransformerLM/DecoderBlock_0/Dense_0/
-    dot_general_1") belongs to: the longest of `modules` its scope ends with ("DecoderBlock_0/
-    Dense_0"); "" (the model itself) when none does."""
-    scope = site.rsplit("/", 1)[0] if "/" in site else ""
-    found = [m for m in modules if m and (scope == m or scope.endswith("/" + m))]
-    return max(found, key=len) if found else ""
+    dot_general_1") belongs to: the longest of `modules` whose path appears in its scope
+    ("DecoderBlock_0/Dense_0"; the scope may go on inside the module: `einsum/...`, a user's
+    `named_scope`); "" (the model itself) when none does."""
+    scope = site.split("/")[:-1]
+
+    def within(module: str) -> bool:
+        parts = module.split("/")
+        return any(scope[i : i + len(parts)] == parts for i in range(len(scope) - len(parts) + 1))
+
+    found = [m for m in modules if m and within(m)]
+    return max(found, key=lambda m: m.count("/")) if found else ""
 
 
 def saturated(
@@ -349,11 +355,12 @@ class Controller:
           saturated: modules whose fp8 matmuls were clipped on the step (`saturated`), blamed
             whether or not the step was skipped; only modules computing in fp8 count.
         """
-        mask = np.zeros(len(self.modules), bool)
+        overflowed = np.zeros(len(self.modules), bool)
         if skipped:
             for path in blamed:
                 if path in self._index:
-                    mask[self._index[path]] = True
+                    overflowed[self._index[path]] = True
+        mask = overflowed.copy()
         for path in saturated:
             i = self._index.get(path)
             if i is not None and self._at(state, i).itemsize == 1:
@@ -361,7 +368,8 @@ class Controller:
         history = np.array(state.history)
         history[step % self.n] = mask
         clean = np.where(mask, 0, np.asarray(state.clean) + 1).astype(np.int32)
-        floor = np.asarray(state.floor_blamed) | (mask & bool(at_floor) & bool(skipped))
+        # Only an overflow at the floor promotes at once; a clipped fp8 matmul waits for k of n.
+        floor = np.asarray(state.floor_blamed) | (overflowed & bool(at_floor))
         return state.replace(history=history, clean=clean, floor_blamed=floor)
 
     def decide(self, state: AdaptiveState, step: int) -> tuple[AdaptiveState, list[Change]]:

@@ -445,18 +445,18 @@ def _group_names(paths: list[tuple[str, ...]], depth: int) -> list[str]:
 
     A level where every path takes the same key (Hugging Face's lone "transformer", a wrapper's
     name) does not count, so that the groups are the modules a user would name; nor does a list
-    of modules (every key an index: NNX's `blocks/0`, Hugging Face's `h/0`), whose items are
-    groups of their own, like linen's `Block_0`, `Block_1`.
+    of modules among other modules (every key an index: NNX's `blocks/0` beside `norm`, Hugging
+    Face's `h/0` beside `ln_f`), whose items are groups of their own, like linen's `Block_0`.
     """
     names = [""] * len(paths)
 
-    def split(indices, level, left):
+    def split(indices, level, left, among_others):
         ended = [i for i in indices if len(paths[i]) <= level]
         going = [i for i in indices if len(paths[i]) > level]
         for i in ended:
             names[i] = "/".join(paths[i])
         keys = {paths[i][level] for i in going}
-        items = not ended and len(keys) > 1 and all(k.isdigit() for k in keys)
+        items = among_others and not ended and len(keys) > 1 and all(k.isdigit() for k in keys)
         if left == 0 and not items:
             for i in going:
                 names[i] = "/".join(paths[i][:level])
@@ -464,11 +464,11 @@ def _group_names(paths: list[tuple[str, ...]], depth: int) -> list[str]:
         children: dict[str, list[int]] = {}
         for i in going:
             children.setdefault(paths[i][level], []).append(i)
-        branching = (len(children) > 1 or bool(ended)) and not items  # a list's index: no level
-        for child in children.values():
-            split(child, level + 1, left - branching)
+        branches = len(children) > 1 or bool(ended)
+        for child in children.values():  # a list's index takes no level of its own
+            split(child, level + 1, left - (branches and not items), branches)
 
-    split(list(range(len(paths))), 0, depth)
+    split(list(range(len(paths))), 0, depth, False)
     return names
 
 

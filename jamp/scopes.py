@@ -32,17 +32,18 @@ def root_scope(class_name: str) -> str:
 def plain(name_stack: str) -> str:
     """`name_stack` as linen would spell it: `jamp_nnx_root(LM)/jamp_nnx(blocks.0)/
     jamp_nnx(blocks.0.mlp_in)/x` -> `LM/blocks/0/mlp_in/x` (the innermost call scope's path,
-    with what follows it); a stack without these scopes comes back as it was. Only scopes that
-    are whole names of the stack count (not ones inside a transform's name, `jvp(...)`)."""
+    with what follows it); what encloses the (innermost) wrapped model is left out. A stack
+    without these scopes comes back as it was. Only scopes that are whole names of the stack
+    count (not ones inside a transform's name, `jvp(...)`)."""
     parts = name_stack.split("/")
     calls = [i for i, part in enumerate(parts) if _CALL.match(part)]
     roots = [(i, m.group(1)) for i, part in enumerate(parts) if (m := _ROOT.match(part))]
     if not calls and not roots:
         return name_stack
     head = [roots[-1][1]] if roots else []
-    if calls:
+    if calls and not (roots and roots[-1][0] > calls[-1]):  # (a wrapped model inside: its own)
         last = calls[-1]
         path = _CALL.match(parts[last]).group(1).split(".")  # type: ignore[union-attr]
         return "/".join([*head, *path, *parts[last + 1 :]])
     at = roots[-1][0]
-    return "/".join([*parts[:at], *head, *parts[at + 1 :]])
+    return "/".join([*head, *parts[at + 1 :]])

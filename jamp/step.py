@@ -199,7 +199,9 @@ def make_train_step(
       group of params: on a skipped step, the modules that overflowed) and the loss_fn metrics
       (fp32, averaged over microbatches and replicas; the names above win on a clash); with an
       fp8 state, "fp8" (`{site: {"x_amax", "x_scale", "w_amax", ..., "g_scale"}}`, after the
-      update).
+      update) and "fp8_saturation" (`{site: ratio}`, every site: how far past its format's
+      largest value this step's amax went under the scales it was quantised with,
+      `jamp.fp8.saturation`; above 1, values were clipped).
 
     Example:
       >>> def loss_fn(params, model_state, batch, rng):  # a model with batch_stats

@@ -524,6 +524,9 @@ def test_finite_by_group_skips_levels_that_do_not_branch():
         "norm",
     ]
     assert list(finite_by_group(nnx_like, depth=2)) == ["blocks/0/a", "blocks/0/b", "blocks/1/a"]
+    # A list that is the whole tree (an nnx.Sequential's layers) is the grouping level itself.
+    layers = {"layers": {0: {"kernel": jnp.ones(1), "bias": jnp.ones(1)}, 1: {"b": jnp.ones(1)}}}
+    assert list(finite_by_group(layers)) == ["layers/0", "layers/1"]
     assert finite_by_group({}) == {}
     with pytest.raises(ValueError, match="depth"):
         finite_by_group(tree, depth=0)

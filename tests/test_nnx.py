@@ -499,3 +499,26 @@ def test_nnx_configuration_methods_act_and_attribute_changes_in_a_call_are_refus
     np.testing.assert_array_equal(drop(x), x)
     with pytest.raises(ValueError, match="changed the module's attributes"):
         jamp.wrap(_Counts(), "mixed_bfloat16")(x)
+
+
+def test_module_policies_by_attribute_path_in_call_finish_order_changing_nothing():
+    from jamp.models import nnx_models
+
+    lm = nnx_models.TransformerLM(
+        50, num_layers=2, d_model=16, num_heads=2, mlp_dim=32, max_len=8, rngs=nnx.Rngs(0)
+    )
+    model = jamp.wrap(lm, "mixed_bfloat16", {"blocks/0": "float32", "blocks/1/mlp_in": "float32"})
+    before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+    policies = jamp.nnx.module_policies(model, jnp.zeros((2, 8), jnp.int32))
+    dtype = {path: np.dtype(p.compute_dtype).name for path, p in policies.items()}
+    order = list(policies)
+    assert order[-1] == ""  # the model's own call finishes last
+    assert order.index("blocks/0/mlp_in") < order.index("blocks/0") < order.index("blocks/1")
+    assert dtype[""] == dtype["blocks/1"] == dtype["blocks/1/attention/query"] == "bfloat16"
+    assert dtype["blocks/1/mlp_in"] == dtype["blocks/1/norm1"] == dtype["norm"] == "float32"
+    # the nearest overridden module above decides: all of block 0 computes in float32
+    assert {d for p, d in dtype.items() if p.startswith("blocks/0")} == {"float32"}
+    after = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+    jax.tree.map(np.testing.assert_array_equal, before, after)
+    with pytest.raises(TypeError, match="jamp.wrap-ped NNX module"):
+        jamp.nnx.module_policies(lm, jnp.zeros((2, 8), jnp.int32))

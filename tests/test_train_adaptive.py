@@ -395,3 +395,40 @@ def _restored(workdir, data_dir, flags, step):
     target = recipe_state(data_dir, overrides)
     with Checkpointer(workdir / "checkpoints") as ckpt:
         return ckpt.restore(target, step=step, fit=loop._fp8_sites_as_stored)
+
+
+@pytest.mark.parametrize("parallelism", ["pmap", "sharded"])
+def test_the_fp8_state_follows_a_promotion_and_a_demotion_placed_like_the_rest(
+    data_dir, parallelism
+):
+    from jamp import parallel, sharding
+    from jamp.precision import get_policy
+    from jamp.train import adapting, loop
+
+    config = runpy.run_path(str(ROOT / "configs" / "default.py"))["get_config"]()
+    config.update(data_dir=str(data_dir), policy="mixed_fp8", parallelism=parallelism)
+    if parallelism == "sharded":
+        config.mesh = "data=2,fsdp=4"
+    run, data_cfg, optim_cfg, _ = loop.parse_config(config)
+    dataset, model = loop.build_model(run, data_cfg, "classification")
+    tx, _ = loop.make_optimizer(optim_cfg)
+    host = loop.init_state(model, tx, run.loss_scale, dataset.info, run.seed, run.fp8)
+    assert list(host.fp8_state.sites) == ["SeedCNN/Dense_0/dot_general"]
+    state = (
+        sharding.shard_state(host, run.mesh)
+        if parallelism == "sharded"
+        else parallel.replicate(host)
+    )
+    promoted = adapting.rewrap(model, {"Dense_0": get_policy("mixed_bfloat16")})
+    state = state.replace(fp8_state=loop._fp8_after_promotion(run, promoted, dataset.info, state))
+    assert state.fp8_state.sites == {}
+    # back in fp8 (a demotion): the site is fresh, and replicated as every fp8 site is
+    state = state.replace(fp8_state=loop._fp8_after_promotion(run, model, dataset.info, state))
+    (site,) = state.fp8_state.sites.values()
+    for leaf in jax.tree.leaves(site):
+        if parallelism == "sharded":
+            assert leaf.sharding.is_fully_replicated and leaf.sharding.mesh == run.mesh
+        else:
+            assert leaf.shape[0] == jax.local_device_count()  # one copy per replica
+    scale = parallel.unreplicate(site).scale if parallelism == "pmap" else site.scale
+    np.testing.assert_array_equal(np.asarray(scale), np.ones(3, np.float32))

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jamp import adaptive, fp8, parallel, sharding
 from jamp.models import NnxModel, get_model
@@ -148,12 +149,15 @@ def _fp8_after_promotion(run, model, info, state):
     variables = dict(adapting.abstract_variables(model, info))
     params = variables.pop("params")
     fresh = fp8_state_for(model, info, params, variables, run.fp8)
-    old = state.fp8_state.sites
-    scalar = state.loss_scale.loss_scale  # placed replicated, as every fp8 site is
-    for name, site in fresh.sites.items():
-        if name not in old:  # placed like the others; kept ones stay where they are
-            fresh.sites[name] = _placed_like(run, site, jax.tree.map(lambda _: scalar, site))
-    return fp8.carry_over(fresh, state.fp8_state)
+    new = {name: site for name, site in fresh.sites.items() if name not in state.fp8_state.sites}
+    if new:  # replicated like every fp8 site; the kept ones stay where they are
+        if run.parallelism == "sharded":
+            replicated = NamedSharding(run.mesh, PartitionSpec())
+            new = jax.device_put(jax.tree.map(np.asarray, new), replicated)
+        else:
+            new = parallel.replicate(new)
+    placed = fresh.replace(sites={name: new.get(name, site) for name, site in fresh.sites.items()})
+    return fp8.carry_over(placed, state.fp8_state)
 
 
 class _StopFlag:
@@ -256,12 +260,14 @@ def _fp8_sites_as_stored(target, stored_tree):
     if set(sites) == set(target.fp8_state.sites):
         return target
     like = next(iter(target.fp8_state.sites.values()), None)
-    sharding = getattr(jax.tree.leaves(like)[0] if like is not None else None, "sharding", None)
+    if like is None:  # a model without fp8 matmuls: nothing to hold them
+        return target
 
-    def spec(meta):
-        return jax.ShapeDtypeStruct(tuple(meta.shape), meta.dtype, sharding=sharding)
+    def spec(leaf):  # this run's shapes (its history length), the checkpoint's names
+        sharding = getattr(leaf, "sharding", None)
+        return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
 
-    made = {name: fp8.Site(spec(m["amax_history"]), spec(m["scale"])) for name, m in sites.items()}
+    made = {name: jax.tree.map(spec, like) for name in sites}
     return target.replace(fp8_state=target.fp8_state.replace(sites=made))
 
 
