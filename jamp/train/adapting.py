@@ -69,10 +69,6 @@ def abstract_variables(model, info) -> dict:
     return jax.eval_shape(lambda: model.init(jax.random.key(0), _dummy(info)))
 
 
-def _abstract_params(model, info):
-    return abstract_variables(model, info)["params"]
-
-
 def module_paths(model, info) -> list[str]:
     """Every module path of a wrapped model ("" for the root), from an abstract init (linen:
     as `jamp.wrap` overrides match them) or build (NNX: attribute paths, `blocks/0/attention`)."""
@@ -141,7 +137,7 @@ class Adapting:
         dtypes, _ = layout(model, info)
         # The gradient groups the step's flags name (top-level modules, each block of a list)
         # that are not modules of their own (a parameter of the model itself).
-        groups = jax.eval_shape(finite_by_group, _abstract_params(model, info))
+        groups = jax.eval_shape(finite_by_group, abstract_variables(model, info)["params"])
         modules = [p for p in dtypes if p] + [g for g in groups if g not in dtypes]
         self.controller = adaptive.Controller(
             run.policy, modules, k=k, n=n, demote_after=demote_after, start=dtypes

@@ -142,20 +142,21 @@ def fp8_state_for(model, info, params, model_state, fp8_scaling) -> fp8.Fp8State
     )
 
 
+def _fp8_sites_of(run, model, info) -> fp8.Fp8State:
+    """A fresh fp8 state for `model` under `run`'s scaling, from an abstract init (the model
+    rebuilt with other overrides: its site set)."""
+    variables = dict(adapting.abstract_variables(model, info))
+    params = variables.pop("params")
+    return fp8_state_for(model, info, params, variables, run.fp8)
+
+
 def _fp8_after_promotion(run, model, info, state):
     """The placed fp8 state for `model` (rebuilt with other overrides): a site for each of its
     fp8 matmuls, the surviving sites' histories and scales carried over as they are on the
     devices, a site that is new (a demotion back to fp8) fresh."""
-    variables = dict(adapting.abstract_variables(model, info))
-    params = variables.pop("params")
-    fresh = fp8_state_for(model, info, params, variables, run.fp8)
+    fresh = _fp8_sites_of(run, model, info)
     new = {name: site for name, site in fresh.sites.items() if name not in state.fp8_state.sites}
-    if new:  # replicated like every fp8 site; the kept ones stay where they are
-        if run.parallelism == "sharded":
-            replicated = NamedSharding(run.mesh, PartitionSpec())
-            new = jax.device_put(jax.tree.map(np.asarray, new), replicated)
-        else:
-            new = parallel.replicate(new)
+    new = _replicated(run, new)  # like every fp8 site; the kept ones stay where they are
     placed = fresh.replace(sites={name: new.get(name, site) for name, site in fresh.sites.items()})
     return fp8.carry_over(placed, state.fp8_state)
 
@@ -274,9 +275,7 @@ def _fp8_sites_as_stored(target, stored_tree):
 def _check_fp8_sites(run, model, info, state) -> None:
     """Raises CheckpointError when the restored fp8 sites are not those of the model the restored
     promotions give (a checkpoint of another model or config)."""
-    variables = dict(adapting.abstract_variables(model, info))
-    params = variables.pop("params")
-    want = set(fp8_state_for(model, info, params, variables, run.fp8).sites)
+    want = set(_fp8_sites_of(run, model, info).sites)
     got = set(state.fp8_state.sites)
     if want != got:
         extra = sorted(got - want) or sorted(want - got)
@@ -461,8 +460,7 @@ def _train(
                     model = adapt.model
                     # Promoted, the module no longer forces the scale down: start it afresh,
                     # placed like the scale it replaces (the rest of the state stays put).
-                    scale = _placed_like(run, run.loss_scale, state.loss_scale)
-                    state = state.replace(loss_scale=scale)
+                    state = state.replace(loss_scale=_replicated(run, run.loss_scale))
                     if run.fp8:  # the promoted modules' fp8 sites are gone from the program
                         fp8_state = _fp8_after_promotion(run, model, dataset.info, state)
                         state = state.replace(fp8_state=fp8_state)
@@ -525,15 +523,15 @@ def _train(
     return summary
 
 
-def _placed_like(run, tree, like):
-    """`tree` (host values of replicated state: a loss scale, an fp8 site) placed like `like`, a
-    placed tree of its structure: replicated under pmap; with `like`'s (replicated) shardings
-    when sharded (every process holds the same values, so this works across processes, where
-    copying the whole state through the host would not)."""
+def _replicated(run, tree):
+    """`tree` (host values of replicated state: a loss scale, fp8 sites) placed as the state
+    holds such values: replicated under pmap; replicated over the mesh when sharded (every
+    process holds the same values, so this works across processes, where copying the whole
+    state through the host would not)."""
     if run.parallelism != "sharded":
         return parallel.replicate(tree)
-    shardings = jax.tree.map(lambda x: x.sharding, like)
-    return jax.device_put(jax.tree.map(np.asarray, tree), shardings)
+    replicated = NamedSharding(run.mesh, PartitionSpec())
+    return jax.device_put(jax.tree.map(np.asarray, tree), replicated)
 
 
 def _savable(host_state, adapt):
