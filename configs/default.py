@@ -84,6 +84,13 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     c.warmup_steps = 0
     c.weight_decay = 0.0
     c.momentum = 0.9
+    # Past float32 master weights. optimizer_state: float32 | bfloat16 (stochastically rounded)
+    # | int8 (block-wise 8-bit, 256 values per scale; small arrays stay float32): what the
+    # optimizer's moments are stored in (jamp.lowbit). param_rounding: how params stored in
+    # bfloat16 (a policy's ",params=bf16", e.g. "mixed_bfloat16,params=bf16") take their float32
+    # update: stochastic (unbiased) | nearest (stalls updates under half a bfloat16 ulp).
+    c.optimizer_state = "float32"
+    c.param_rounding = "stochastic"
     c.max_grad_norm = 0.0  # 0: no clipping
     c.accumulation_steps = 1
 

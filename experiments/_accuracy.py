@@ -49,6 +49,7 @@ def run(
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{policy} seed {seed} failed:\n{out.stderr[-2000:]}")
+    (workdir / "stdout.txt").write_text(out.stdout)  # the run's log and summary table
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -9,6 +9,10 @@ The public API, all documented in the README:
 * loss scales: `NoOpLossScale`, `StaticLossScale`, `DynamicLossScale`, `loss_scale_for`,
   `all_finite`, `finite_by_group`, `select_tree`;
 * training: `TrainState`, `make_train_step`, `make_eval_step`;
+* past float32 master weights: the `jamp.rounding` module (`stochastic_round`, `round_tree`:
+  bfloat16 params, which the step updates in float32 and rounds stochastically) and the
+  `jamp.lowbit` module (`bf16_state`, `int8_state`: optax optimizer state in 16 or 8 bits;
+  `bytes_per_param`);
 * fp8 matmuls' scaling: the `jamp.fp8` module (`init_state`, `Fp8State`, `quantize`,
   `dequantize`, `scale_for`, `RECIPES`);
 * adaptive precision: the `jamp.adaptive` module (`Controller`, `AdaptiveState`, `Change`,
@@ -24,7 +28,7 @@ The public API, all documented in the README:
   `Target`, `GPUS`, `TargetUnavailable`).
 """
 
-from jamp import adaptive, fp8, hardware, nnx, parallel, sharding, target
+from jamp import adaptive, fp8, hardware, lowbit, nnx, parallel, rounding, sharding, target
 from jamp import jax_compat as _jax_compat
 from jamp.autocast import autocast
 from jamp.jax_compat import UnsupportedProgramError
@@ -67,11 +71,13 @@ __all__ = [
     "get_policy",
     "hardware",
     "loss_scale_for",
+    "lowbit",
     "make_eval_step",
     "make_train_step",
     "module_policies",
     "nnx",
     "parallel",
+    "rounding",
     "select_tree",
     "sharding",
     "target",

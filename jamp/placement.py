@@ -2,7 +2,7 @@
 `describe`. Pure functions of shapes, a mesh and rules; `jamp.sharding` places the arrays.
 
 The rule: each param, and every optimizer-state leaf with the param's path and shape (Adam's
-moments), is split over `fsdp` along its largest dimension that `fsdp` divides and no rule took;
+moments; 8-bit moments' codes, their block scales alike where the blocks divide), is split over `fsdp` along its largest dimension that `fsdp` divides and no rule took;
 a leaf with no such dimension (a scalar, a bias of odd width) stays replicated, and `describe`
 says why. Mutable model state, the loss scale and the counters are replicated. `rules` are
 `(path pattern, spec)` pairs (see `jamp.sharding`); an axis the mesh lacks is dropped.
@@ -19,6 +19,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jamp.lowbit import bytes_per_param
 
 PyTree = Any
 
@@ -164,6 +166,29 @@ def _like_param(keys, shape, param_specs) -> Optional[tuple[P, Optional[str]]]:
     return None
 
 
+def _like_quantized(keys, shape, param_specs, mesh: Mesh) -> Optional[tuple[P, Optional[str]]]:
+    """The spec of an 8-bit optimizer-state leaf (`jamp.lowbit.Quantized`): its codes have the
+    param's shape and take its spec; its block scales (the param's leading axes, then one per
+    block of the rest) take the same spec, their last axis split like the first of the param's
+    axes it stands for, where the blocks divide."""
+    if not keys or keys[-1] not in ("codes", "scales"):
+        return None
+    owner = keys[:-1]
+    for pkeys, (pshape, spec, why) in param_specs.items():
+        if len(owner) < len(pkeys) or owner[len(owner) - len(pkeys) :] != pkeys:
+            continue
+        if keys[-1] == "codes" and pshape == shape:
+            return spec, why
+        lead = len(shape) - 1
+        if keys[-1] == "scales" and len(pshape) > lead and pshape[:lead] == shape[:lead]:
+            entries = (list(spec) + [None] * len(pshape))[: lead + 1]
+            split = math.prod(mesh.shape[a] for a in axis_names(entries[-1]))
+            if shape[-1] % split:  # blocks of the merged axes: split with the first, if they divide
+                entries[-1] = None
+            return _spec(entries), why
+    return None
+
+
 def state_plan(state, mesh: Mesh, rules: Optional[Rules] = None):
     """(field, keys, spec, why-replicated) for every leaf of a TrainState."""
     param_specs = _param_specs(state.params, mesh, rules)
@@ -175,7 +200,9 @@ def state_plan(state, mesh: Mesh, rules: Optional[Rules] = None):
         if field == "params":
             _, spec, why = param_specs[rest]
         elif field == "opt_state":
-            found = _like_param(rest, shape, param_specs)
+            found = _like_param(rest, shape, param_specs) or _like_quantized(
+                rest, shape, param_specs, mesh
+            )
             spec, why = found if found else (P(), "optimizer state not shaped like a param")
         elif field == "model_state":
             spec, why = P(), "mutable model state (e.g. batch statistics) is replicated"
@@ -219,8 +246,11 @@ def describe(state, mesh: Optional[Mesh] = None, rules: Optional[Rules] = None) 
         if why and field in ("params", "opt_state"):
             g["why"].setdefault(why, []).append("/".join(keys[1:]))
     mesh_text = ", ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
+    per = bytes_per_param(state)
     lines = [
         f"mesh {mesh_text}: {total_dev:,} of {total:,} bytes of state per device",
+        f"  per parameter: params {per['params']:.2f} + optimizer {per['opt_state']:.2f} = "
+        f"{per['total']:.2f} bytes (gradients not included)",
         f"  {'field':12} {'placement':22} {'leaves':>6} {'bytes/device':>14} {'of total':>14}",
     ]
     for (field, placement), g in groups.items():

@@ -8,6 +8,11 @@ A fourth, optional dtype says what gradients cross the wire in when parameters a
 over devices (FSDP2's `reduce_dtype`): `"mixed_bfloat16,reduce=bf16"`. It defaults to float32;
 a policy that names another is a `jamp.precision.Policy`, a `jmp.Policy` with that one field more.
 
+A preset may name another params dtype: `"mixed_bfloat16,params=bf16"` stores the params in
+bfloat16 (2 bytes each instead of 4); the train step applies their updates in float32 and rounds
+them back stochastically (`jamp.rounding`), so updates smaller than half a bfloat16 ulp are kept in
+expectation rather than lost.
+
 A fifth says what matmuls run in when it is not the compute dtype: `matmul=f8` (the preset
 `"mixed_fp8"`, i.e. "p=f32,c=bf16,o=f32,matmul=f8") runs every matmul on fp8 operands (E4M3
 activations and weights, E5M2 gradients, float32 accumulation; `jamp.fp8`) and the rest as
@@ -60,6 +65,7 @@ _ACCEPTED = (
     "dtypes (" + ", ".join(DTYPE_NAMES) + "); or comma-separated key=dtype pairs with keys "
     "p/params, c/compute, o/output (e.g. 'p=f32,c=bf16,o=f32'; params default to float32, "
     "compute follows params, output follows compute); a preset or the pairs may add "
+    "p/params=bf16, params stored in bfloat16 (e.g. 'mixed_bfloat16,params=bf16'), or "
     "r/reduce=f32|bf16|f16, the dtype sharded gradients are reduced in (e.g. "
     "'mixed_bfloat16,reduce=bf16', 'auto,reduce=bf16'), and pairs with c=bf16 may add "
     "m/matmul=f8, fp8 matmuls (e.g. 'p=f32,c=bf16,o=f32,matmul=f8', the preset mixed_fp8)."
@@ -135,7 +141,11 @@ def _normalise(spec: str) -> tuple[str, str, str]:
     if head.strip() == AUTO:  # the device's choice; a reduce dtype may follow, as for a preset
         head = _auto_preset()
     if head.strip() in _PRESET_SPECS:  # a preset, perhaps with a reduce dtype after it
-        text = _PRESET_SPECS[head.strip()] + ("," + rest if rest else "")
+        preset = _PRESET_SPECS[head.strip()]
+        if any(_KEYS.get(part.partition("=")[0].strip()) == "params" for part in rest.split(",")):
+            # a params dtype after a preset replaces the preset's (16-bit stored params)
+            preset = preset.partition(",")[2]
+        text = preset + ("," + rest if rest else "")
     if "=" not in text:
         _check_dtype(text, spec)
         return text, "f32", ""
@@ -192,7 +202,7 @@ def get_policy(spec: PolicyLike) -> jmp.Policy:
             preset this device runs fastest: see `auto_reason`); a dtype name for all three
             dtypes ("bf16"); or jmp's "p=...,c=...,o=..." grammar, where an omitted output
             follows compute ("c=f16" computes and returns float16). A preset or "auto" may
-            add ",reduce=<dtype>".
+            add ",reduce=<dtype>" and ",params=bf16" (bfloat16 stored params).
 
     Returns:
         The policy, built by `jmp.get_policy`.

@@ -20,6 +20,18 @@ from jamp.loss_scale import NoOpLossScale
 PyTree = Any
 
 
+def float32_view(params: PyTree) -> PyTree:
+    """`params` with its 16-bit float leaves in float32 (what the optimizer sees and updates)."""
+
+    def up(leaf):
+        dtype = jnp.result_type(leaf)
+        if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+            return jnp.asarray(leaf, jnp.float32)
+        return leaf
+
+    return jax.tree.map(up, params)
+
+
 def _int32_scalar(value: int) -> jax.Array:
     """Returns `value` as a strongly typed int32 scalar array."""
     # A python int (or a weakly typed array) would give the first jitted call a different input type
@@ -33,8 +45,10 @@ class TrainState:
 
     Attributes:
         step: int32 scalar, the number of steps taken, skipped ones included.
-        params: the model parameters (normally fp32, whatever the compute dtype).
-        opt_state: the optax state for `params`.
+        params: the model parameters (normally fp32, whatever the compute dtype; bfloat16 params
+            are updated in fp32 and rounded back, stochastically by default: see
+            `jamp.step.make_train_step`).
+        opt_state: the optax state for `params`, built from their float32 view.
         model_state: mutable Flax collections other than params, e.g. `{'batch_stats': ...}`;
             `{}` for a model without any.
         loss_scale: a `NoOpLossScale`, `StaticLossScale` or `DynamicLossScale` (all pytrees).
@@ -101,7 +115,9 @@ class TrainState:
         return cls(
             step=_int32_scalar(0),
             params=params,
-            opt_state=tx.init(params),
+            # float32 moments whatever the params' dtype: the step applies updates in float32
+            # (16-bit optimizer state is a choice of its own: `jamp.lowbit`)
+            opt_state=tx.init(float32_view(params)),
             model_state={} if model_state is None else model_state,
             loss_scale=NoOpLossScale() if loss_scale is None else loss_scale,
             skipped_steps=_int32_scalar(0),

@@ -8,7 +8,8 @@ follows one order (see DESIGN.md, "The mixed-precision step, written once"):
   3. take fp32 gradients with respect to the params (summed over microbatches, if any);
   4. average gradients, loss, metrics and model state across replicas;
   5. unscale with the scale used in 2;
-  6. check finiteness, clip the unscaled gradients, run the optax update;
+  6. check finiteness, clip the unscaled gradients, run the optax update on the params' float32
+     view and round the result to their dtypes (stochastically for bfloat16 params);
   7. keep the old params, optimizer state and model state if the gradients were not finite (and
      the fp8 scaling state, which otherwise takes this step's amaxes, max-reduced in 3 and 4);
   8. adjust the loss scale and count the step.
@@ -25,13 +26,16 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jamp import fp8
+from jamp import fp8, rounding
 from jamp.loss_scale import all_finite, finite_by_group, select_tree
-from jamp.state import TrainState
+from jamp.state import TrainState, float32_view
 
 #: The step metric `{fp8 site: how far past fmax its amax went}` (`jamp.fp8.saturation`), with
 #: an fp8 state: where delayed scaling clipped values, for adaptive precision.
 FP8_SATURATION = "fp8_saturation"
+# Folded into the step's key for the params' stochastic rounding: a stream apart from dropout's,
+# the same on every replica (the replica index is folded into dropout's alone).
+_ROUNDING_STREAM = 0x524F554E
 
 PyTree = Any
 Metrics = Mapping[str, jax.Array]
@@ -66,7 +70,7 @@ def _conform(new: PyTree, old: PyTree, what: str) -> PyTree:
         return old  # a model without mutable state may hand back {} or None
     if jax.tree.structure(new) != jax.tree.structure(old):  # type: ignore[operator]  # PyTreeDef: jaxlib has no stub
         raise ValueError(
-            f"{what} returned by the loss function has structure {jax.tree.structure(new)}, "
+            f"{what} has structure {jax.tree.structure(new)}, "
             f"but the state holds {jax.tree.structure(old)}; they must match."
         )
     return jax.tree.map(lambda n, o: jnp.asarray(n).astype(o.dtype), new, old)
@@ -101,7 +105,9 @@ def _scaled_grads(loss_fn, loss_scale, params, model_state, batch, rng, fp8_stat
     # fp32 params give fp32 grads already; upcasting covers 16-bit params so that the averaging and
     # unscaling below never round or overflow in 16 bits.
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-    new_model_state = _conform(new_model_state, model_state, "model_state")
+    new_model_state = _conform(
+        new_model_state, model_state, "model_state returned by the loss function"
+    )
     return grads, loss, new_model_state, _metrics_fp32(metrics), observed
 
 
@@ -169,6 +175,7 @@ def make_train_step(
     reduce_dtype=None,
     attribution_depth: int = 1,
     fp8_metric_sites: int = 3,
+    param_rounding: str = "stochastic",
 ) -> Callable[[TrainState, PyTree, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds a pure mixed-precision train step.
 
@@ -189,6 +196,12 @@ def make_train_step(
         "grads_finite_by_module" metric.
       fp8_metric_sites: with an fp8 state, how many representative sites (the first, middle and
         last matmuls) report their newest amax and scale per operand in `metrics["fp8"]`.
+
+      param_rounding: how updated bfloat16 params (a policy's `params=bf16`) are rounded from
+        the float32 update: "stochastic" (unbiased; the random bits come from `rng`, the step and
+        each param's path, so replicas, shards and a resumed run round alike) or "nearest"
+        (which stalls a weight once its updates fall below half its ulp). float32 params are
+        unaffected; float16 params take "nearest" only (`jamp.rounding.round_tree`).
 
     Returns:
       `train_step(state, batch, rng) -> (new_state, metrics)`, where `rng` is one base key for the
@@ -216,12 +229,16 @@ def make_train_step(
         raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}.")
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}.")
+    if param_rounding not in rounding.MODES:
+        raise ValueError(
+            f"param_rounding must be one of {', '.join(rounding.MODES)}, got {param_rounding!r}."
+        )
     if not isinstance(attribution_depth, int) or attribution_depth < 0:
         raise ValueError(f"attribution_depth must be an int >= 0, got {attribution_depth!r}.")
 
     def train_step(state: TrainState, batch: PyTree, rng: jax.Array):
         # Callers pass one base key; folding in the step gives fresh dropout every step ...
-        rng = jax.random.fold_in(rng, state.step)
+        rng = step_rng = jax.random.fold_in(rng, state.step)
         if axis_name is not None:  # ... and the replica index different dropout per replica.
             rng = jax.random.fold_in(rng, lax.axis_index(axis_name))
         loss_scale = state.loss_scale  # keep the scale the grads are computed with for unscaling
@@ -250,7 +267,7 @@ def make_train_step(
             grads, loss, model_state, metrics = _pmean_floats(
                 (grads, loss, model_state, metrics), axis_name
             )
-            grads = jax.tree.map(lambda g, p: g.astype(jnp.asarray(p).dtype), grads, state.params)
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
             if observed is not None:  # every replica scales its next step alike
                 observed = fp8.pmax(observed, axis_name)
         grads = loss_scale.unscale(grads)  # the scale of step 2, not the adjusted one
@@ -265,10 +282,17 @@ def make_train_step(
         grad_norm = optax.tree.norm(grads)
         if max_grad_norm is not None:  # a threshold in true gradient units, so clip unscaled
             grads = _clip_by_global_norm(grads, grad_norm, max_grad_norm)
-        # The optimizer state was built from the params: hand it grads of the same dtypes.
-        grads = jax.tree.map(lambda g, p: g.astype(jnp.asarray(p).dtype), grads, state.params)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        # The update is applied in float32 and rounded to the params' dtypes: 16-bit params take
+        # updates below half their ulp in expectation (stochastic) instead of losing them.
+        params32 = float32_view(state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, params32)
+        opt_state = _conform(opt_state, state.opt_state, "the state tx.update returned")
+        params = rounding.round_tree(
+            optax.apply_updates(params32, updates),
+            state.params,
+            param_rounding,
+            jax.random.fold_in(step_rng, _ROUNDING_STREAM),
+        )
         # A skipped step leaves everything but the loss scale and the counters bit-identical,
         # batch statistics included (a nan in them would otherwise poison every later step).
         saturation = None

@@ -12,6 +12,8 @@ JAMP = pathlib.Path(jamp.__file__).parent
 # What the README documents: adding a name here means documenting it there.
 PUBLIC = {
     "adaptive",
+    "lowbit",
+    "rounding",
     "compile_for",
     "target",
     "module_policies",
@@ -50,6 +52,8 @@ RANK = {
     "hardware": -1,  # below precision and mixed_ops, which ask it what the device runs
     "traced_for": -2,  # below hardware, which re-exports it
     "scopes": -2,  # the NNX call scopes: names, read by fp8, nnx and inspect
+    "rounding": -1,  # stochastic rounding, beneath the step and lowbit
+    "lowbit": -0.5,  # low-bit optimizer state: beneath placement, which places and counts it
     "loss_scale": 1,
     "engine": 0.9,  # the interpreter beneath autocast, wrap and nnx
     "attention": 0.6,  # fused attention in a compute dtype, which the engine calls

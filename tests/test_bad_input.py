@@ -64,6 +64,9 @@ clip_nan        | max_grad_norm=nan                       | max_grad_norm must b
 decay_negative  | weight_decay=-0.1                       | weight_decay must be finite and >= 0
 decay_nan       | weight_decay=nan                        | weight_decay must be finite and >= 0
 momentum        | momentum=1.5                            | momentum must be in [0, 1), got 1.5
+opt_state       | optimizer_state=int4                    | unknown optimizer_state 'int4'; acce
+rounding        | param_rounding=up                       | unknown param_rounding 'up'; accepted
+sr_float16      | policy=float16                          | stores params in float16, which stoc
 seed_type       | seed=1.5                                | --config.seed=1.5: invalid literal
 # batch sizes over the 8 devices every case runs with
 accumulation    | accumulation_steps=3                    | accumulation_steps 3 does not divide
@@ -183,7 +186,10 @@ def trained_workdir(tmp_path_factory, data_dir):
     [
         (["--config.model=resnet20"], "does not match this model"),
         (["--config.dataset=synthetic_images"], "does not match this model"),
-        (["--config.policy=float16"], "dtype float32 in the checkpoint and float16 here"),
+        (
+            ["--config.policy=mixed_bfloat16,params=bf16"],
+            "dtype float32 in the checkpoint and bfloat16 here",
+        ),
         (["--config.loss_scale=none"], "does not match this model"),
     ],
     ids=["other_model", "other_image_size", "other_param_dtype", "other_loss_scale"],

@@ -37,6 +37,9 @@ def _dtypes(policy):
         ("float32", (F32, F32, F32)),
         ("mixed_float16", (F32, F16, F32)),
         ("mixed_bfloat16", (F32, BF16, F32)),
+        # a params dtype after a preset replaces the preset's: bfloat16 stored params
+        ("mixed_bfloat16,params=bf16", (BF16, BF16, F32)),
+        ("mixed_fp8, p=bf16", (BF16, BF16, F32)),
     ],
 )
 def test_get_policy_accepts_grammar_and_presets(spec, expected):
@@ -156,6 +159,7 @@ def test_get_policy_reduce_dtype_is_a_fourth_optional_field(spec, reduce):
         ("mixed_bfloat16,reduce=int8", "unknown dtype 'int8'"),
         ("mixed_bfloat16,r=bf16,reduce=f32", "duplicate key 'reduce'"),
         ("mixed_bfloat16,c=f16", "duplicate key 'c'"),
+        ("mixed_bfloat16,params=bf16,p=f32", "duplicate key 'p'"),
     ],
 )
 def test_get_policy_reduce_errors_are_one_line(spec, needle):

@@ -22,7 +22,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jamp import adaptive, fp8, parallel, sharding
+from jamp import adaptive, fp8, lowbit, parallel, sharding
 from jamp.models import NnxModel, get_model
 from jamp.precision import describe, reduce_dtype
 from jamp.state import TrainState
@@ -418,6 +418,7 @@ def _train(
             accumulation_steps=run.accumulation_steps,
             max_grad_norm=run.max_grad_norm,
             reduce_dtype=None if reduce == np.float32 else reduce,
+            param_rounding=run.param_rounding,
         )
 
     def eval_fn(axis_name):
@@ -571,4 +572,16 @@ def _summary(run, task, state, step, eval_metrics, steps_timed, time_timed, data
         ),
         "wall time (s)": round(time.perf_counter() - t_begin, 1),
         "peak memory (MiB)": memory,
+        "state bytes per param": _state_bytes(run, state),
     }
+
+
+def _state_bytes(run, state) -> str:
+    """Params and optimizer state per parameter (gradients not included), e.g. "12.00 (params
+    4.00, optimizer 8.00)"; with 16-bit params, how their updates are rounded."""
+    per = lowbit.bytes_per_param(state)
+    text = f"{per['total']:.2f} (params {per['params']:.2f}, optimizer {per['opt_state']:.2f})"
+    param_dtype = np.dtype(run.policy.param_dtype)
+    if param_dtype != np.float32:
+        text += f"; {param_dtype.name} params, {run.param_rounding} rounding"
+    return text

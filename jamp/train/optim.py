@@ -14,8 +14,12 @@ import math
 
 import optax
 
+from jamp import lowbit
+
 OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
 SCHEDULES = ("constant", "cosine", "warmup_cosine")
+#: What the optimizer's state is stored in (`jamp.lowbit`).
+STATES = ("float32", "bfloat16", "int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +34,9 @@ class OptimConfig:
       num_train_steps: the length of the run, for the decay.
       weight_decay: decoupled weight decay (``adamw``) or L2 added to the gradient (others).
       momentum: for ``momentum`` (heavy ball, Nesterov).
+      state: one of `STATES`: the optimizer's state in float32, in bfloat16 (stochastically
+        rounded: `jamp.lowbit.bf16_state`) or in 8 bits (`jamp.lowbit.int8_state`).
+      seed: the bfloat16 state's rounding stream.
     """
 
     optimizer: str = "adam"
@@ -39,6 +46,8 @@ class OptimConfig:
     num_train_steps: int = 1000
     weight_decay: float = 0.0
     momentum: float = 0.9
+    state: str = "float32"
+    seed: int = 0
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
@@ -58,6 +67,10 @@ class OptimConfig:
             )
         if not 0 <= self.weight_decay < math.inf:
             raise ValueError(f"weight_decay must be finite and >= 0, got {self.weight_decay}")
+        if self.state not in STATES:
+            raise ValueError(
+                f"unknown optimizer_state {self.state!r}; accepted: {', '.join(STATES)}"
+            )
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
 
@@ -76,8 +89,17 @@ def make_schedule(cfg: OptimConfig) -> optax.Schedule:
 def make_optimizer(cfg: OptimConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Returns the optax transformation and its learning-rate schedule (for logging)."""
     schedule = make_schedule(cfg)
+    tx = _optimizer(cfg, schedule)
+    if cfg.state == "bfloat16":
+        tx = lowbit.bf16_state(tx, seed=cfg.seed)
+    elif cfg.state == "int8":
+        tx = lowbit.int8_state(tx)
+    return tx, schedule
+
+
+def _optimizer(cfg: OptimConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
     if cfg.optimizer == "adamw":
-        return optax.adamw(schedule, weight_decay=cfg.weight_decay), schedule
+        return optax.adamw(schedule, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adam":
         tx = optax.adam(schedule)
     elif cfg.optimizer == "sgd":
@@ -86,4 +108,4 @@ def make_optimizer(cfg: OptimConfig) -> tuple[optax.GradientTransformation, opta
         tx = optax.sgd(schedule, momentum=cfg.momentum, nesterov=True)
     if cfg.weight_decay:
         tx = optax.chain(optax.add_decayed_weights(cfg.weight_decay), tx)
-    return tx, schedule
+    return tx

@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 
 from jamp import activations as activations_lib
-from jamp import adaptive, fp8, hardware, precision, sharding
+from jamp import adaptive, fp8, hardware, precision, rounding, sharding
 from jamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jamp.models import model_task
 from jamp.precision import get_policy
@@ -67,6 +67,8 @@ class RunConfig:
     adaptive: Any = None
     # module path patterns and first:N / last:N forms computing in float32 (`keep_in_float32`).
     keep_in_float32: tuple = ()
+    # how bfloat16 params take their float32 update (`jamp.make_train_step`'s param_rounding)
+    param_rounding: str = "stochastic"
 
 
 def _make_loss_scale(kind: str, p: ml_collections.ConfigDict, policy: jmp.Policy):
@@ -145,6 +147,8 @@ def parse_config(config: ml_collections.ConfigDict, devices=None):
             num_train_steps=int(config.num_train_steps),
             weight_decay=float(config.weight_decay),
             momentum=float(config.momentum),
+            state=config.get("optimizer_state", "float32"),
+            seed=int(config.seed),
         )
         data = data_lib.DataConfig(
             dataset=config.dataset,
@@ -197,8 +201,23 @@ def parse_config(config: ml_collections.ConfigDict, devices=None):
         fp8=_fp8(config, policy),
         adaptive=_adaptive(config, policy),
         keep_in_float32=_keep_in_float32(config),
+        param_rounding=_param_rounding(config, policy),
     )
     return run, data, optim, task
+
+
+def _param_rounding(config, policy) -> str:
+    """The params' rounding mode, checked against the policy's params dtype."""
+    mode = config.get("param_rounding", "stochastic")
+    if mode not in rounding.MODES:
+        raise ConfigError(f"unknown param_rounding {mode!r}; accepted: {', '.join(rounding.MODES)}")
+    if mode == "stochastic" and np.dtype(policy.param_dtype) == np.float16:
+        raise ConfigError(
+            f"policy {config.policy!r} stores params in float16, which stochastic rounding does "
+            "not take (float16's range, not its precision, fails weights): store them in "
+            "bfloat16 (',params=bf16') or float32, or pass --config.param_rounding=nearest"
+        )
+    return mode
 
 
 def _adaptive(config, policy):

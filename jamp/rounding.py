@@ -1,0 +1,93 @@
+"""Rounding float32 values into 16-bit storage: to nearest, or stochastically (unbiased).
+
+Round-to-nearest bfloat16 stalls a weight whose updates are smaller than half a bfloat16 ulp of
+it (8 bits of mantissa: any update below ~0.4 % of the weight is lost every step, however many
+steps there are). Stochastic rounding rounds up with probability equal to how far the value lies
+towards the next bfloat16, so the rounded value equals the float32 one in expectation and small
+updates accumulate on average.
+
+The random bits come from a counter-based stream: a key derived from a run's key and the step
+(`jax.random.fold_in`) and, per leaf, from its path in the tree (`leaf_keys`). So every pmap
+replica and every shard of a sharded array draws the same bits for the same element (JAX's
+threefry is partitionable), and a resumed run draws what the original drew.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+PyTree = Any
+
+#: What `round_tree` takes for `mode`.
+MODES = ("stochastic", "nearest")
+_BF16, _F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+
+
+def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
+    """Rounds float32 `x` to bfloat16, up or down at random: unbiased (E[result] == x).
+
+    bfloat16 is float32's upper 16 bits, so adding 16 uniform random bits to the lower half and
+    truncating carries into the kept half with probability (lower half) / 2**16: exactly the
+    fraction of the way to the next bfloat16 (in magnitude, so negative values alike). inf and
+    nan round as a cast would; a finite value past bfloat16's largest rounds up to inf with the
+    same probability as to any other neighbour.
+    """
+    x = jnp.asarray(x, _F32)
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    noise = jax.random.bits(key, x.shape, jnp.uint32) >> 16
+    truncated = (bits + noise) & jnp.uint32(0xFFFF0000)
+    rounded = lax.bitcast_convert_type(truncated, _F32).astype(_BF16)  # exact: low bits are 0
+    return jnp.where(jnp.isfinite(x), rounded, x.astype(_BF16))  # nan bits could wrap
+
+
+def path_tag(path) -> int:
+    """A stable 31-bit number for a tree path (a key path or its text), to fold into a key."""
+    text = path if isinstance(path, str) else jax.tree_util.keystr(path)
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+def leaf_keys(key: jax.Array, tree: PyTree) -> PyTree:
+    """A key per leaf of `tree`: `key` with the leaf's path folded in (`path_tag`)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: jax.random.fold_in(key, path_tag(path)), tree
+    )
+
+
+def round_tree(values: PyTree, like: PyTree, mode: str, key: jax.Array | None) -> PyTree:
+    """`values` (float32) in the dtypes of `like`'s leaves, rounded by `mode`.
+
+    Args:
+      values: float32 leaves (e.g. params after an update applied in float32).
+      like: a tree of the same structure whose dtypes the result takes (e.g. the old params).
+      mode: "stochastic" (bfloat16 leaves round stochastically, with `leaf_keys(key, values)`)
+        or "nearest" (a cast). float32 leaves pass through either way.
+      key: the step's rounding key; unused for "nearest".
+
+    Raises:
+      ValueError: for an unknown mode, or "stochastic" with a float16 leaf (its 5-bit exponent,
+        not its mantissa, is what fails float16 weights: keep them float32).
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown rounding mode {mode!r}; accepted: {', '.join(MODES)}")
+    dtypes = [jnp.result_type(leaf) for leaf in jax.tree.leaves(like)]
+    if mode == "stochastic" and jnp.dtype(jnp.float16) in dtypes:
+        raise ValueError(
+            "stochastic rounding takes bfloat16 or float32 params, not float16 (its range, not "
+            "its precision, fails: keep float16 params float32, or round them 'nearest')"
+        )
+    if mode == "nearest" or _BF16 not in dtypes:
+        return jax.tree.map(lambda v, o: v.astype(jnp.result_type(o)), values, like)
+    assert key is not None, "stochastic rounding needs a key"
+    keys = leaf_keys(key, values)
+
+    def one(v, o, k):
+        if jnp.result_type(o) == _BF16:
+            return stochastic_round(v, k)
+        return v.astype(jnp.result_type(o))
+
+    return jax.tree.map(one, values, like, keys)

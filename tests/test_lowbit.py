@@ -1,0 +1,169 @@
+"""jamp.lowbit: optimizer state in bfloat16 and in 8 bits (block-wise dynamic quantisation):
+the error bound, training alongside float32 state, sharding, checkpoints, bytes per parameter."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+from toy import MLP, make_batch, make_loss_fn
+
+from jamp import lowbit, placement, sharding
+from jamp.lowbit import bytes_per_param
+from jamp.models import TransformerLM
+from jamp.state import TrainState
+from jamp.step import make_train_step
+from jamp.wrap import wrap
+
+KEY = jax.random.key(0)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_8bit_codes_are_the_nearest_and_their_error_is_bounded(signed):
+    code = lowbit.dynamic_code(signed)
+    assert code.shape == (256,) and np.all(np.diff(code) >= 0)
+    assert (code.min(), code.max()) == ((-1.0, 1.0) if signed else (1e-8, 1.0))
+    # values over 8 decades, a last block shorter than the others, a block of zeros
+    x = jax.random.normal(KEY, (6, 700)) * jnp.logspace(-8, 0, 700)
+    x = x.at[2].set(0.0)
+    x = x if signed else jnp.abs(x)
+    q = lowbit.quantize(x, signed=signed, block=256)
+    assert q.codes.dtype == jnp.uint8 and q.codes.shape == x.shape and q.scales.shape == (6, 3)
+    got = np.asarray(lowbit.dequantize(q))
+    blocks = np.pad(np.asarray(x), [(0, 0), (0, 68)]).reshape(6, 3, 256)
+    scales = np.abs(blocks).max(-1)
+    np.testing.assert_array_equal(np.asarray(q.scales), scales)
+    normalised = blocks / np.where(scales > 0, scales, 1)[..., None]
+    nearest = np.abs(normalised[..., None] - code).argmin(-1).reshape(6, -1)[:, :700]
+    np.testing.assert_array_equal(code[np.asarray(q.codes)], code[nearest])
+    # the bound: half the widest gap between codes, times the block's scale (1/128 of the
+    # block's largest value signed, 1/256 unsigned); a block's largest value is exact
+    scale = np.repeat(scales, 256, -1)[:, :700]
+    half_gap = np.diff(code).max() / 2
+    assert half_gap <= (0.9 / 64 / 2 if signed else 0.9 / 128 / 2) + 1e-7
+    assert np.all(np.abs(got - np.asarray(x)) <= half_gap * scale * (1 + 1e-6))
+    peaks = np.argmax(np.abs(blocks), -1)
+    for r in (0, 1, 3):
+        for b in range(3):
+            v = blocks[r, b, peaks[r, b]]
+            assert got[r, b * 256 + peaks[r, b]] == pytest.approx(v, rel=1e-6)
+    assert np.all(got[2] == 0)  # an all-zero block stays zero
+
+
+def test_an_unsigned_code_never_rounds_a_positive_value_to_zero():
+    # Adam's second moment divides the update: rounded to 0, an update would be m / epsilon
+    x = jnp.array([1.0, 1e-9, 1e-12, 0.0] + [0.5] * 252, jnp.float32)
+    got = lowbit.dequantize(lowbit.quantize(x, signed=False))
+    assert np.all(np.asarray(got[:4]) > 0) and float(got[0]) == 1.0
+
+
+def _train(tx, steps=150, policy="float32"):
+    model = wrap(MLP(), policy)
+    batch = make_batch(64)
+    params = model.init(jax.random.key(1), batch["x"])["params"]
+    state = TrainState.create(params, tx)
+    step = jax.jit(make_train_step(make_loss_fn(model), tx))
+    for _ in range(steps):
+        state, metrics = step(state, batch, KEY)
+    return state, float(metrics["loss"])
+
+
+def test_adam_with_low_bit_state_trains_like_float32_state():
+    _, ref = _train(optax.adam(3e-2))
+    bf16_state, bf16 = _train(lowbit.bf16_state(optax.adam(3e-2)))
+    int8_state, int8 = _train(lowbit.int8_state(optax.adam(3e-2), min_size=8))
+    inner = int8_state.opt_state.inner[0]
+    assert isinstance(inner.mu["Dense_0"]["kernel"], lowbit.Quantized)
+    assert not inner.nu["Dense_0"]["kernel"].signed and inner.mu["Dense_0"]["kernel"].signed
+    assert {x.dtype for x in jax.tree.leaves(bf16_state.opt_state.inner[0].mu)} == {
+        jnp.dtype(jnp.bfloat16)
+    }
+    assert int(bf16_state.opt_state.step) == 150
+    start = _train(optax.adam(3e-2), steps=1)[1]  # the loss before any update
+    # all three fall by orders of magnitude; the low-bit ones land where float32 state does
+    assert ref < 1e-3 * start
+    assert abs(np.log(bf16 / ref)) < np.log(3) and abs(np.log(int8 / ref)) < np.log(3)
+
+
+def _lm_state(tx, policy="mixed_bfloat16,params=bf16", d=256, abstract=False):
+    model = wrap(
+        TransformerLM(vocab_size=256, num_layers=2, d_model=d, num_heads=4, mlp_dim=4 * d),
+        policy,
+    )
+    tokens = jnp.zeros((2, 16), jnp.int32)
+
+    def init():
+        return TrainState.create(model.init(jax.random.key(2), tokens)["params"], tx)
+
+    return jax.eval_shape(init) if abstract else init(), model
+
+
+def test_bytes_per_parameter_of_each_choice():
+    adam = optax.adamw(1e-3)
+    got = {}
+    for name, policy, tx in [
+        ("fp32 master", "mixed_bfloat16", adam),
+        ("bf16 + bf16 state", "mixed_bfloat16,params=bf16", lowbit.bf16_state(adam)),
+        ("bf16 + 8-bit state", "mixed_bfloat16,params=bf16", lowbit.int8_state(adam)),
+    ]:
+        got[name] = bytes_per_param(_lm_state(tx, policy, abstract=True)[0])
+    assert got["fp32 master"]["total"] == pytest.approx(12.0, abs=1e-3)
+    assert got["bf16 + bf16 state"]["total"] == pytest.approx(6.0, abs=1e-3)
+    assert got["bf16 + 8-bit state"]["params"] == 2.0
+    assert got["bf16 + 8-bit state"]["total"] <= 4.1  # target: 4.5
+
+
+def _moments(opt_state):
+    quantized = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, lowbit.Quantized))
+    return [np.asarray(lowbit.dequantize(q)) for q in quantized if isinstance(q, lowbit.Quantized)]
+
+
+class Wide(nn.Module):
+    """Kernels (256, 64) (Dense_0: flax names the outer call's module first) and (64, 256):
+    8-bit moments in blocks across rows, and of a row."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(64)(nn.relu(nn.Dense(256)(x)))
+
+
+def test_8bit_state_is_split_like_its_param_and_checkpoints(tmp_path):
+    from jamp.train.checkpoint import Checkpointer
+
+    tx = lowbit.int8_state(optax.adam(1e-3))
+    model = wrap(Wide(), "mixed_bfloat16,params=bf16")
+    x = jax.random.normal(KEY, (16, 64))
+    batch = {"x": x, "y": x[:, 0]}
+    state = TrainState.create(model.init(jax.random.key(2), x)["params"], tx)
+    mesh = sharding.make_mesh("fsdp=8")
+    placed = sharding.shard_state(state, mesh)
+    inner = placed.opt_state.inner[0]
+    for moment in (inner.mu, inner.nu):
+        # (64, 256): split on its last axis; blocks of a row, one scale per row, not split
+        q, param = moment["Dense_1"]["kernel"], placed.params["Dense_1"]["kernel"]
+        assert q.codes.sharding.spec == param.sharding.spec == P(None, "fsdp")
+        assert q.scales.shape == (64, 1) and q.scales.sharding.spec == P()
+        # (256, 64): blocks span 4 rows, 64 scales split with the rows
+        q, param = moment["Dense_0"]["kernel"], placed.params["Dense_0"]["kernel"]
+        assert q.codes.sharding.spec == param.sharding.spec == P("fsdp")
+        assert q.scales.shape == (64,) and q.scales.sharding.spec == P("fsdp")
+    assert "per parameter: params 2.00 + optimizer" in placement.describe(placed)
+
+    step = make_train_step(make_loss_fn(model), tx)
+    p_step = sharding.make_sharded_train_step(step, mesh, sharding.state_shardings(placed))
+    j_step = jax.jit(step)
+    single = state
+    for _ in range(2):
+        placed, _ = p_step(placed, sharding.shard_batch(batch, mesh), KEY)
+        single, _ = j_step(single, batch, KEY)
+    # the sharded step's moments are the single device's, but for another summation order
+    for a, b in zip(_moments(placed.opt_state), _moments(single.opt_state)):
+        assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(2, single)
+        restored = ckpt.restore(state)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(single)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
