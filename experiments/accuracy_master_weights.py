@@ -13,6 +13,8 @@ data order, steps and optimizer (Adam / AdamW) for every variant of a seed. The 
                   (10 bytes): the failure stochastic rounding fixes;
   bf16 SR         the same, rounded stochastically (10 bytes);
   bf16 SR + bf16  and Adam's moments in bfloat16, stochastically rounded (6 bytes);
+  bf16 Kahan      bf16 params rounded to nearest with a Kahan compensation buffer, and bf16
+                  moments (8 bytes): the deterministic alternative;
   bf16 SR + int8  and Adam's moments in 8 bits, 256 values per scale (about 4 bytes).
 
 Writes experiments/results/accuracy_master_weights_cpu.md (final test metric per variant and
@@ -41,6 +43,7 @@ VARIANTS = {
     "bf16 nearest": (BF16, "float32", "nearest"),
     "bf16 SR": (BF16, "float32", "stochastic"),
     "bf16 SR + bf16 state": (BF16, "bfloat16", "stochastic"),
+    "bf16 Kahan + bf16 state": (BF16, "bfloat16", "kahan"),
     "bf16 SR + int8 state": (BF16, "int8", "stochastic"),
 }
 REFERENCE = "fp32 master"

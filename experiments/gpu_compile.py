@@ -13,6 +13,9 @@ peak; no speed):
    dtype, the largest global batch that fits.
 3. NNX models, ours and one nobody here wrote (Tunix's Llama 3), wrapped under mixed_bfloat16
    against each model's own bf16 build (experiments/gpu_compile_models.py).
+4. Past float32 master weights: the deepest decoder of Llama-2-7B's widths that fits on 8 H200s
+   under fsdp=8 (seq 512, one sequence per device) with fp32 master weights and Adam, with bf16
+   params and bf16 Adam moments, with bf16 params and 8-bit moments (`--part master_weights`).
 
     python experiments/gpu_compile.py                   # all (hours on a 2-core CPU)
     python experiments/gpu_compile.py --part gpt2       # question 1 only (each part is added to
@@ -263,7 +266,71 @@ def models_part(quick: bool, log, only=None) -> list[dict]:
     return rows
 
 
-PARTS = {"gpt2": gpt2_part, "decoders": decoder_part, "models": models_part}
+# (label, policy, optimizer_state): what the params and Adam's moments are stored in
+MASTER_VARIANTS = [
+    ("fp32 master + fp32 Adam", "mixed_bfloat16", "float32"),
+    ("bf16 params (stochastic rounding) + bf16 Adam", "mixed_bfloat16,params=bf16", "bfloat16"),
+    ("bf16 params (stochastic rounding) + 8-bit Adam", "mixed_bfloat16,params=bf16", "int8"),
+]
+# Llama-2-7B's widths, a short sequence and one sequence per device: the state, not the
+# activations, decides how deep a model fits (the regime where master weights bound it)
+MASTER_SHAPE = dict(seq_len=512, batch_size=8, mesh="fsdp=8")
+
+
+def master_weights_part(quick: bool, log, only=None) -> list[dict]:
+    """The deepest Llama-7B-wide decoder whose step fits on 8 H200s under fsdp=8, per choice of
+    params and optimizer-state storage: layers searched by compiling (plan.search_batch over the
+    layer count, to within one layer)."""
+    if only:  # its variants are not policies
+        return []
+    rows = []
+    size, start = ("smoke", 2) if quick else ("7b", 32)
+    for label, policy, state in MASTER_VARIANTS:
+        base = dict(policy=policy, optimizer_state=state, parallelism="sharded", **MASTER_SHAPE)
+        reports, recipes = {}, {}
+
+        def peak_at(layers, base=base, reports=reports, recipes=recipes):
+            recipe = _recipe(f"llama:{size}", {**base, "model_config.num_layers": layers}, "h200x8")
+            reports[layers] = plan.compile_at(recipe, recipe.run.batch_size, plan.NO_REMAT)
+            recipes[layers] = recipe
+            return reports[layers].memory.peak
+
+        peak_at(start)
+        found = plan.search_batch(
+            peak_at,
+            start,
+            1,
+            reports[start].usable_bytes(),
+            max_compiles=0 if quick else 6,
+            known={start: reports[start].memory.peak},
+        )
+        layers = found.batch or start
+        report, recipe = reports[layers], recipes[layers]
+        row = _row(label, report, recipe.run.batch_size)
+        abstract = plan.abstract_state(recipe)[2]
+        row.update(
+            layers=layers,
+            above=found.above,
+            complete=found.complete,
+            fits=found.batch is not None,
+            params=plan.param_count(abstract),
+            bytes_per_param=jamp.lowbit.bytes_per_param(abstract),
+            arguments=report.memory.arguments,
+            peaks={str(k): v for k, v in sorted(found.peaks.items())},
+            compiles=len(reports),
+            seconds=round(sum(r.compile_seconds for r in reports.values()), 1),
+        )
+        rows.append(row)
+        log([row])
+    return rows
+
+
+PARTS = {
+    "gpt2": gpt2_part,
+    "decoders": decoder_part,
+    "models": models_part,
+    "master_weights": master_weights_part,
+}
 
 
 def _replaced(rows: list[dict], new: list[dict]) -> list[dict]:

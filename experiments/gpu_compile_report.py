@@ -164,7 +164,36 @@ def run_record(command: str, seconds: float) -> dict:
     }
 
 
-_TITLES = {"gpt2": "GPT-2 small", "decoders": "decoders", "models": "NNX models"}
+_TITLES = {
+    "gpt2": "GPT-2 small",
+    "decoders": "decoders",
+    "models": "NNX models",
+    "master_weights": "master weights",
+}
+
+
+def _master_table(rows) -> list[str]:
+    lines = [
+        "| params and optimizer state | state bytes per param (params + optimizer) | deepest "
+        "that fits (layers) | parameters | vs the first row | arguments (state) GiB | "
+        "temporaries GiB | peak GiB | compiles (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    first = rows[0]["params"] if rows else 1
+    for r in rows:
+        b = r["bytes_per_param"]
+        deepest = str(r["layers"]) if r["fits"] else f"none ({r['layers']} does not)"
+        if r["fits"] and r.get("above") is not None:
+            deepest += f" ({r['above']}: no)"
+        if not r["complete"]:
+            deepest += ", searched no further"
+        lines.append(
+            f"| {r['label']} | {b['total']:.2f} ({b['params']:.2f} + {b['opt_state']:.2f}) | "
+            f"{deepest} | {r['params'] / 1e9:.2f} B | {r['params'] / first:.2f}x | "
+            f"{_g(r['arguments'])} | {_g(r['temp'])} | {_g(r['peak'])} | "
+            f"{r['compiles']} ({r['seconds']:.0f}) |"
+        )
+    return lines
 
 
 def _runs(results) -> list[str]:
@@ -228,6 +257,18 @@ def write(results, out: pathlib.Path, *, fraction: float, target):
             "",
         ]
         lines += _gpt2_table(results["models"]) + [""]
+    if results.get("master_weights"):
+        lines += [
+            "## Past float32 master weights: the deepest model that fits on 8 x H200 (fsdp=8)",
+            "",
+            "Llama-2-7B's widths (d_model 4096, 32 heads, MLP 11008, vocab 32000), AdamW, "
+            "sequence 512, one sequence per device, `mixed_bfloat16` compute; the layer count "
+            "searched by compiling until the deepest that fits and the next that does not are "
+            "one layer apart. Arguments = the train state per device (params, optimizer state); "
+            "gradients are temporaries.",
+            "",
+        ]
+        lines += _master_table(results["master_weights"]) + [""]
     out.with_suffix(".md").write_text("\n".join(lines))
     _plot(results, out.with_suffix(".png"))
 

@@ -14,6 +14,10 @@ state in float32, let it update, and store the result compactly again.
   `nu`) use a code without sign or zero, so they keep 8 bits of magnitude and never round a
   small second moment down to zero (which would divide an update by epsilon alone).
 
+* `kahan(tx)` is the deterministic alternative to stochastically rounded bfloat16 params: a
+  compensation buffer (2 bytes per param) carries what rounding to nearest lost into the next
+  step.
+
 The codes keep their array's shape (uint8) and the scales its leading axes (then one entry per
 block of the rest), so a state array is placed like its parameter when the params are sharded
 (`jamp.placement`), scales included.
@@ -240,3 +244,64 @@ def int8_state(
         return jax.tree_util.tree_map_with_path(one, _load(inner))
 
     return _wrap(tx, store, _load)
+
+
+class KahanState(NamedTuple):
+    """The wrapped optimizer's state and, per param, what rounding it to 16 bits has lost so far
+    (stored in the params' dtype)."""
+
+    compensation: PyTree
+    inner: PyTree
+
+
+def kahan(
+    tx: optax.GradientTransformation, param_dtype=jnp.bfloat16
+) -> optax.GradientTransformation:
+    """`tx` for params stored in `param_dtype`, with Kahan-compensated updates.
+
+    The deterministic alternative to stochastic rounding: each step adds the compensation (what
+    earlier roundings of the param lost) to the float32 update, rounds the param to nearest, and
+    keeps what this rounding lost as the new compensation; 2 bytes more per param. The updates
+    it returns land the params exactly on their rounded values, so the train step's own
+    rounding (`param_rounding`, either mode) changes nothing: pass "nearest".
+
+    Args:
+      tx: any optax transformation; it sees float32 params and updates as without this wrapper.
+      param_dtype: the dtype the train state stores the (floating) params in.
+    """
+    dtype = jnp.dtype(param_dtype)
+
+    def init_fn(params):
+        zeros = jax.tree.map(
+            lambda p: jnp.zeros(jnp.shape(p), dtype) if _is_float(p) else p, params
+        )
+        return KahanState(compensation=zeros, inner=tx.init(params))
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("kahan needs the params: pass them to update (the train step does)")
+        updates, inner = tx.update(updates, state.inner, params)
+
+        def target(p, u, c):  # the float32 value the param would hold without rounding
+            if not _is_float(p):
+                return u
+            return jnp.asarray(p, jnp.float32) + (u.astype(jnp.float32) + c.astype(jnp.float32))
+
+        def landed(p, t):  # ... rounded to nearest: where the param lands
+            return t.astype(dtype).astype(jnp.float32) if _is_float(p) else t
+
+        targets = jax.tree.map(target, params, updates, state.compensation)
+        rounded = jax.tree.map(landed, params, targets)
+        new_updates = jax.tree.map(
+            lambda p, r: r - jnp.asarray(p, jnp.float32) if _is_float(p) else r, params, rounded
+        )
+        compensation = jax.tree.map(
+            lambda p, t, r, c: (t - r).astype(dtype) if _is_float(p) else c,
+            params,
+            targets,
+            rounded,
+            state.compensation,
+        )
+        return new_updates, KahanState(compensation=compensation, inner=inner)
+
+    return optax.GradientTransformation(init_fn, update_fn)

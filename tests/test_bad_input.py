@@ -67,6 +67,7 @@ momentum        | momentum=1.5                            | momentum must be in 
 opt_state       | optimizer_state=int4                    | unknown optimizer_state 'int4'; acce
 rounding        | param_rounding=up                       | unknown param_rounding 'up'; accepted
 sr_float16      | policy=float16                          | stores params in float16, which stoc
+kahan_float32   | param_rounding=kahan                    | param_rounding=kahan compensates the
 seed_type       | seed=1.5                                | --config.seed=1.5: invalid literal
 # batch sizes over the 8 devices every case runs with
 accumulation    | accumulation_steps=3                    | accumulation_steps 3 does not divide

@@ -71,8 +71,8 @@ def test_round_tree_refuses_float16_and_unknown_modes():
 
 
 def test_rounding_is_the_same_on_every_shard():
-    """jax's threefry is partitionable: a sharded array draws each element's bits as the whole
-    array would, so FSDP shards round as one device does."""
+    """The bits are a hash of each element's global index: a sharded array draws them as the
+    whole array would, so FSDP shards round as one device does."""
     values = {"a": jax.random.normal(KEY, (64, 32)), "b": jax.random.normal(KEY, (32,))}
     like = jax.tree.map(lambda v: v.astype(jnp.bfloat16), values)
     mesh = sharding.make_mesh("data=2,fsdp=4")

@@ -418,7 +418,7 @@ def _train(
             accumulation_steps=run.accumulation_steps,
             max_grad_norm=run.max_grad_norm,
             reduce_dtype=None if reduce == np.float32 else reduce,
-            param_rounding=run.param_rounding,
+            param_rounding=run.step_rounding,
         )
 
     def eval_fn(axis_name):

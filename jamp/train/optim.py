@@ -37,6 +37,8 @@ class OptimConfig:
       state: one of `STATES`: the optimizer's state in float32, in bfloat16 (stochastically
         rounded: `jamp.lowbit.bf16_state`) or in 8 bits (`jamp.lowbit.int8_state`).
       seed: the bfloat16 state's rounding stream.
+      kahan_dtype: "" or the 16-bit dtype the params are stored in, to update them with Kahan
+        compensation (`jamp.lowbit.kahan`) instead of stochastic rounding.
     """
 
     optimizer: str = "adam"
@@ -48,6 +50,7 @@ class OptimConfig:
     momentum: float = 0.9
     state: str = "float32"
     seed: int = 0
+    kahan_dtype: str = ""
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
@@ -94,6 +97,8 @@ def make_optimizer(cfg: OptimConfig) -> tuple[optax.GradientTransformation, opta
         tx = lowbit.bf16_state(tx, seed=cfg.seed)
     elif cfg.state == "int8":
         tx = lowbit.int8_state(tx)
+    if cfg.kahan_dtype:
+        tx = lowbit.kahan(tx, cfg.kahan_dtype)
     return tx, schedule
 
 

@@ -120,7 +120,7 @@ def compile_at(recipe: Recipe, batch_size: int, compiler_options: Optional[dict]
             accumulation_steps=run.accumulation_steps,
             max_grad_norm=run.max_grad_norm,
             reduce_dtype=None if reduce == np.float32 else reduce,
-            param_rounding=run.param_rounding,
+            param_rounding=run.step_rounding,
         )
 
     if run.parallelism == "sharded":

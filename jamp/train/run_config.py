@@ -31,6 +31,8 @@ from jamp.train.overflow_watch import ON_PERSISTENT_OVERFLOW
 
 LOSS_SCALES = ("auto", "dynamic", "static", "none")
 PARALLELISM = ("pmap", "sharded")
+#: How 16-bit params take their float32 update (--config.param_rounding).
+PARAM_ROUNDINGS = (*rounding.MODES, "kahan")
 
 
 class ConfigError(ValueError):
@@ -67,8 +69,14 @@ class RunConfig:
     adaptive: Any = None
     # module path patterns and first:N / last:N forms computing in float32 (`keep_in_float32`).
     keep_in_float32: tuple = ()
-    # how bfloat16 params take their float32 update (`jamp.make_train_step`'s param_rounding)
+    # how 16-bit params take their float32 update: stochastic | nearest (`jamp.make_train_step`'s
+    # param_rounding) | kahan (`jamp.lowbit.kahan` around the optimizer)
     param_rounding: str = "stochastic"
+
+    @property
+    def step_rounding(self) -> str:
+        """The train step's own param_rounding (Kahan's updates land on representable values)."""
+        return "nearest" if self.param_rounding == "kahan" else self.param_rounding
 
 
 def _make_loss_scale(kind: str, p: ml_collections.ConfigDict, policy: jmp.Policy):
@@ -149,6 +157,11 @@ def parse_config(config: ml_collections.ConfigDict, devices=None):
             momentum=float(config.momentum),
             state=config.get("optimizer_state", "float32"),
             seed=int(config.seed),
+            kahan_dtype=(
+                np.dtype(policy.param_dtype).name
+                if _param_rounding(config, policy) == "kahan"
+                else ""
+            ),
         )
         data = data_lib.DataConfig(
             dataset=config.dataset,
@@ -209,8 +222,15 @@ def parse_config(config: ml_collections.ConfigDict, devices=None):
 def _param_rounding(config, policy) -> str:
     """The params' rounding mode, checked against the policy's params dtype."""
     mode = config.get("param_rounding", "stochastic")
-    if mode not in rounding.MODES:
-        raise ConfigError(f"unknown param_rounding {mode!r}; accepted: {', '.join(rounding.MODES)}")
+    if mode not in PARAM_ROUNDINGS:
+        raise ConfigError(
+            f"unknown param_rounding {mode!r}; accepted: {', '.join(PARAM_ROUNDINGS)}"
+        )
+    if mode == "kahan" and np.dtype(policy.param_dtype) == np.float32:
+        raise ConfigError(
+            f"param_rounding=kahan compensates the rounding of 16-bit params, but policy "
+            f"{config.policy!r} stores them in float32: add ',params=bf16' to the policy"
+        )
     if mode == "stochastic" and np.dtype(policy.param_dtype) == np.float16:
         raise ConfigError(
             f"policy {config.policy!r} stores params in float16, which stochastic rounding does "
