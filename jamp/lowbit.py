@@ -42,8 +42,10 @@ from jamp import rounding
 
 PyTree = Any
 
-#: Names of optimizer-state fields whose values are never negative (optax's second moments).
-UNSIGNED = ("nu",)
+#: Names of optimizer-state fields (NamedTuple fields, not dict keys) whose values are never
+#: negative: optax's second moments (Adam's family's `nu`, AMSGrad's `nu_max`). Not for
+#: optimizers whose `nu` is signed (optax.sm3): pass `unsigned=()` there.
+UNSIGNED = ("nu", "nu_max")
 
 
 @struct.dataclass
@@ -149,7 +151,8 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
 
 
 def _field_names(path) -> set[str]:
-    return {str(getattr(k, "name", getattr(k, "key", ""))) for k in path}
+    """The NamedTuple field names along `path` (a param or module named "nu" is not one)."""
+    return {k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)}
 
 
 def _is_float(leaf) -> bool:
@@ -163,13 +166,15 @@ def _wrap(tx, store, load) -> optax.GradientTransformation:
         count = jnp.zeros((), jnp.int32)
         return LowBitState(step=count, inner=store(tx.init(params), count))
 
-    def update_fn(updates, state, params=None):
+    tx = optax.with_extra_args_support(tx)
+
+    def update_fn(updates, state, params=None, **extra_args):
         inner = load(state.inner)
-        updates, inner = tx.update(updates, inner, params)
+        updates, inner = tx.update(updates, inner, params, **extra_args)
         count = state.step + 1
         return updates, LowBitState(step=count, inner=store(inner, count))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _load(inner: PyTree) -> PyTree:
@@ -267,36 +272,42 @@ def kahan(
 
     Args:
       tx: any optax transformation; it sees float32 params and updates as without this wrapper.
-      param_dtype: the dtype the train state stores the (floating) params in.
+      param_dtype: the dtype the train state stores every floating param in (as `jamp.wrap`
+        stores them under a policy's params dtype): the step hands the optimizer their float32
+        view, so a param kept in float32 would be rounded to `param_dtype` too. bfloat16: a
+        float16 compensation underflows for small weights.
     """
     dtype = jnp.dtype(param_dtype)
 
     def init_fn(params):
         zeros = jax.tree.map(
-            lambda p: jnp.zeros(jnp.shape(p), dtype) if _is_float(p) else p, params
+            lambda p: jnp.zeros(jnp.shape(p), dtype) if _floating(p) else jnp.zeros((), jnp.int8),
+            params,
         )
         return KahanState(compensation=zeros, inner=tx.init(params))
 
-    def update_fn(updates, state, params=None):
+    tx = optax.with_extra_args_support(tx)
+
+    def update_fn(updates, state, params=None, **extra_args):
         if params is None:
             raise ValueError("kahan needs the params: pass them to update (the train step does)")
-        updates, inner = tx.update(updates, state.inner, params)
+        updates, inner = tx.update(updates, state.inner, params, **extra_args)
 
         def target(p, u, c):  # the float32 value the param would hold without rounding
-            if not _is_float(p):
+            if not _floating(p):
                 return u
             return jnp.asarray(p, jnp.float32) + (u.astype(jnp.float32) + c.astype(jnp.float32))
 
         def landed(p, t):  # ... rounded to nearest: where the param lands
-            return t.astype(dtype).astype(jnp.float32) if _is_float(p) else t
+            return t.astype(dtype).astype(jnp.float32) if _floating(p) else t
 
         targets = jax.tree.map(target, params, updates, state.compensation)
         rounded = jax.tree.map(landed, params, targets)
         new_updates = jax.tree.map(
-            lambda p, r: r - jnp.asarray(p, jnp.float32) if _is_float(p) else r, params, rounded
+            lambda p, r: r - jnp.asarray(p, jnp.float32) if _floating(p) else r, params, rounded
         )
         compensation = jax.tree.map(
-            lambda p, t, r, c: (t - r).astype(dtype) if _is_float(p) else c,
+            lambda p, t, r, c: (t - r).astype(dtype) if _floating(p) else c,
             params,
             targets,
             rounded,
@@ -304,4 +315,8 @@ def kahan(
         )
         return new_updates, KahanState(compensation=compensation, inner=inner)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _floating(leaf) -> bool:
+    return jnp.issubdtype(jnp.result_type(leaf), jnp.floating)

@@ -14,6 +14,7 @@ the same bits for the same element, and a resumed run draws what the original dr
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Any
 
@@ -23,8 +24,8 @@ from jax import lax
 
 PyTree = Any
 
-#: What `round_tree` takes for `mode`.
-MODES = ("stochastic", "nearest")
+#: What `round_tree` takes for `mode`: "auto" is stochastic for bfloat16, nearest for float16.
+MODES = ("auto", "stochastic", "nearest")
 _BF16, _F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 
 
@@ -44,15 +45,16 @@ def stochastic_round(x: jax.Array, seed: jax.Array) -> jax.Array:
     x = jnp.asarray(x, _F32)
     bits = lax.bitcast_convert_type(x, jnp.uint32)
     noise = uniform_bits(seed_of(seed), x.shape) >> 16
-    truncated = (bits + noise) & jnp.uint32(0xFFFF0000)
-    rounded = lax.bitcast_convert_type(truncated, _F32).astype(_BF16)  # exact: low bits are 0
+    upper = ((bits + noise) >> 16).astype(jnp.uint16)
+    rounded = lax.bitcast_convert_type(upper, _BF16)  # the kept half as it is: no float convert
     return jnp.where(jnp.isfinite(x), rounded, x.astype(_BF16))  # nan bits could wrap
 
 
 def seed_of(key: jax.Array) -> jax.Array:
-    """A uint32 scalar from a JAX key (one threefry draw); a uint32 scalar as it is."""
-    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    """A uint32 scalar from a JAX key, typed (`jax.random.key`) or raw (`PRNGKey`: one threefry
+    draw); a uint32 scalar as it is."""
+    key = jnp.asarray(key)
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or key.shape:
         return jax.random.bits(key, (), jnp.uint32)
     return key.astype(jnp.uint32)
 
@@ -78,6 +80,11 @@ def uniform_bits(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     for dim, size in enumerate(shape):
         index = index * jnp.uint32(size) + lax.broadcasted_iota(jnp.uint32, shape, dim)
     seed = jnp.asarray(seed, jnp.uint32)
+    if math.prod(shape) > 2**32:  # the linear index wraps: tell its 2**32-element pages apart
+        page = jnp.zeros(shape, jnp.uint32)
+        for dim in range(len(shape)):  # a hash of the multi-index, so no element repeats
+            page = _mix(page + lax.broadcasted_iota(jnp.uint32, shape, dim))
+        seed = _mix(seed ^ page)
     return _mix(_mix(index * jnp.uint32(0x9E3779B9) + _mix(seed)) ^ seed)
 
 
@@ -101,8 +108,9 @@ def round_tree(values: PyTree, like: PyTree, mode: str, key: jax.Array | None) -
     Args:
       values: float32 leaves (e.g. params after an update applied in float32).
       like: a tree of the same structure whose dtypes the result takes (e.g. the old params).
-      mode: "stochastic" (bfloat16 leaves round stochastically, with `leaf_seeds(key, values)`)
-        or "nearest" (a cast). float32 leaves pass through either way.
+      mode: "stochastic" (bfloat16 leaves round stochastically, with `leaf_seeds(key, values)`),
+        "nearest" (a cast) or "auto" (stochastic for bfloat16 leaves, nearest for float16 ones).
+        float32 leaves pass through either way.
       key: the step's rounding key; unused for "nearest".
 
     Raises:
@@ -117,6 +125,9 @@ def round_tree(values: PyTree, like: PyTree, mode: str, key: jax.Array | None) -
             "stochastic rounding takes bfloat16 or float32 params, not float16 (its range, not "
             "its precision, fails: keep float16 params float32, or round them 'nearest')"
         )
+    if mode == "auto":
+        mode = "stochastic"
+        dtypes = [d for d in dtypes if d != jnp.dtype(jnp.float16)]
     if mode == "nearest" or _BF16 not in dtypes:
         return jax.tree.map(lambda v, o: v.astype(jnp.result_type(o)), values, like)
     assert key is not None, "stochastic rounding needs a key"

@@ -175,7 +175,7 @@ def make_train_step(
     reduce_dtype=None,
     attribution_depth: int = 1,
     fp8_metric_sites: int = 3,
-    param_rounding: str = "stochastic",
+    param_rounding: str = "auto",
 ) -> Callable[[TrainState, PyTree, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds a pure mixed-precision train step.
 
@@ -197,11 +197,12 @@ def make_train_step(
       fp8_metric_sites: with an fp8 state, how many representative sites (the first, middle and
         last matmuls) report their newest amax and scale per operand in `metrics["fp8"]`.
 
-      param_rounding: how updated bfloat16 params (a policy's `params=bf16`) are rounded from
-        the float32 update: "stochastic" (unbiased; the random bits come from `rng`, the step and
-        each param's path, so replicas, shards and a resumed run round alike) or "nearest"
-        (which stalls a weight once its updates fall below half its ulp). float32 params are
-        unaffected; float16 params take "nearest" only (`jamp.rounding.round_tree`).
+      param_rounding: how updated 16-bit params (a policy's `params=bf16`) are rounded from the
+        float32 update: "stochastic" (unbiased; the random bits come from `rng`, the step and
+        each param's path, so replicas, shards and a resumed run round alike), "nearest" (which
+        stalls a weight once its updates fall below half its ulp), or "auto" (stochastic for
+        bfloat16 params, nearest for float16 ones, which "stochastic" refuses:
+        `jamp.rounding.round_tree`). float32 params are unaffected.
 
     Returns:
       `train_step(state, batch, rng) -> (new_state, metrics)`, where `rng` is one base key for the

@@ -66,7 +66,7 @@ decay_nan       | weight_decay=nan                        | weight_decay must be
 momentum        | momentum=1.5                            | momentum must be in [0, 1), got 1.5
 opt_state       | optimizer_state=int4                    | unknown optimizer_state 'int4'; acce
 rounding        | param_rounding=up                       | unknown param_rounding 'up'; accepted
-sr_float16      | policy=float16                          | stores params in float16, which stoc
+sr_float16      | policy=float16 param_rounding=stochastic | stores params in float16, which st
 kahan_float32   | param_rounding=kahan                    | param_rounding=kahan compensates the
 seed_type       | seed=1.5                                | --config.seed=1.5: invalid literal
 # batch sizes over the 8 devices every case runs with

@@ -193,3 +193,20 @@ def test_kahan_carries_what_rounding_to_nearest_loses_and_lands_on_bfloat16_valu
     ulp = np.asarray(jnp.ones(512) * 2.0**-7) * np.where(np.asarray(start) >= 2, 2, 1)
     assert np.all(np.abs(moved - 100 * delta) <= ulp)
     assert abs(moved.mean() - 100 * delta) < 0.05 * 100 * delta
+
+
+def test_signs_follow_state_field_names_and_kahan_moves_scalar_params():
+    # a param named "nu" is not a second moment: only NamedTuple fields decide
+    params = {"nu": jnp.ones((64, 128)), "s": jnp.ones((), jnp.float32)}
+    state = lowbit.int8_state(optax.adam(1e-3)).init(params)
+    assert state.inner[0].mu["nu"].signed and not state.inner[0].nu["nu"].signed
+    amsgrad = lowbit.int8_state(optax.amsgrad(1e-3)).init(params)
+    assert not amsgrad.inner[0].nu_max["nu"].signed
+    # Kahan compensates 0-d params too
+    tx = lowbit.kahan(optax.sgd(1.0))
+    p = {"s": jnp.ones((), jnp.bfloat16)}
+    st = tx.init({"s": jnp.ones((), jnp.float32)})
+    for _ in range(40):
+        u, st = tx.update({"s": jnp.float32(-(2.0**-12))}, st, {"s": p["s"].astype(jnp.float32)})
+        p = {"s": (p["s"].astype(jnp.float32) + u["s"]).astype(jnp.bfloat16)}
+    assert float(p["s"]) == 1.0 + 40 * 2.0**-12 - (40 * 2.0**-12) % 2.0**-7

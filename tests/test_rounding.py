@@ -64,7 +64,7 @@ def test_stochastic_round_keeps_non_finite_values():
 def test_round_tree_refuses_float16_and_unknown_modes():
     with pytest.raises(ValueError, match="not float16"):
         rounding.round_tree({"w": jnp.ones(2)}, {"w": jnp.ones(2, jnp.float16)}, "stochastic", KEY)
-    with pytest.raises(ValueError, match="accepted: stochastic, nearest"):
+    with pytest.raises(ValueError, match="accepted: auto, stochastic, nearest"):
         rounding.round_tree({"w": jnp.ones(2)}, {"w": jnp.ones(2)}, "up", KEY)
     with pytest.raises(ValueError, match="param_rounding must be one of"):
         make_train_step(make_loss_fn(MLP()), optax.sgd(0.1), param_rounding="kahan!")
@@ -170,3 +170,19 @@ def test_a_resumed_run_rounds_as_the_uninterrupted_one(tmp_path):
         np.any(np.asarray(a, np.float32) != np.asarray(b, np.float32))
         for a, b in zip(jax.tree.leaves(other.params), jax.tree.leaves(whole.params))
     )
+
+
+def test_legacy_keys_and_float16_params_under_the_default_rounding():
+    # a raw uint32[2] PRNGKey works as a typed key does
+    state, step, batch = _setup()
+    new, _ = jax.jit(step)(state, batch, jax.random.PRNGKey(0))
+    assert new.params["Dense_0"]["kernel"].dtype == jnp.bfloat16
+    # "auto" (the default): float16 params round to nearest, where "stochastic" refuses them
+    state16, step16, batch = _setup(policy="float16")
+    new16, metrics = jax.jit(step16)(state16, batch, KEY)
+    assert new16.params["Dense_0"]["kernel"].dtype == jnp.float16
+    values = {"h": jnp.full(4, 1.0 + 2**-13), "b": jnp.full(4, 1.0 + 2**-10)}
+    like = {"h": jnp.ones(4, jnp.float16), "b": jnp.ones(4, jnp.bfloat16)}
+    out = rounding.round_tree(values, like, "auto", KEY)
+    assert out["h"].dtype == jnp.float16 and np.all(np.asarray(out["h"]) == 1.0)  # to nearest
+    assert set(np.asarray(out["b"], np.float32)) <= {1.0, 1.0078125}  # one of the neighbours

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jamp import parallel, sharding
+from jamp import lowbit, parallel, sharding
 from jamp.precision import describe, reduce_dtype
 from jamp.step import make_train_step
 from jamp.target import Target, compile_for, get_target, memory_fraction
@@ -228,11 +228,14 @@ def run_plan(config, target_name: str, workdir: Optional[str], search: bool = Tr
         layout = "sharded jit, mesh " + ", ".join(f"{a}={n}" for a, n in run.mesh.shape.items())
     else:
         layout = f"pmap over {recipe.target.num_devices} devices"
-    params = param_count(abstract_state(recipe)[2])
+    state = abstract_state(recipe)[2]
+    per = lowbit.bytes_per_param(state)
     print(
-        f"recipe: model {run.model} ({_count(params)} params), policy "
-        f"{describe(run.policy)}, {layout}, global batch {run.batch_size} (compiled "
-        "abstractly: nothing allocated, no data read)",
+        f"recipe: model {run.model} ({_count(param_count(state))} params), policy "
+        f"{describe(run.policy)}, {layout}, global batch {run.batch_size}; state "
+        f"{per['total']:.2f} bytes per param (params {per['params']:.2f}, optimizer "
+        f"{per['opt_state']:.2f}) before sharding (compiled abstractly: nothing allocated, no "
+        "data read)",
         flush=True,
     )
     report = compile_at(recipe, run.batch_size)

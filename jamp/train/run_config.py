@@ -16,6 +16,7 @@ import pathlib
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import jmp
 import ml_collections
 import numpy as np
@@ -70,7 +71,8 @@ class RunConfig:
     # module path patterns and first:N / last:N forms computing in float32 (`keep_in_float32`).
     keep_in_float32: tuple = ()
     # how 16-bit params take their float32 update: stochastic | nearest (`jamp.make_train_step`'s
-    # param_rounding) | kahan (`jamp.lowbit.kahan` around the optimizer)
+    # param_rounding; the config's "auto" resolved) | kahan (`jamp.lowbit.kahan` around the
+    # optimizer)
     param_rounding: str = "stochastic"
 
     @property
@@ -220,18 +222,22 @@ def parse_config(config: ml_collections.ConfigDict, devices=None):
 
 
 def _param_rounding(config, policy) -> str:
-    """The params' rounding mode, checked against the policy's params dtype."""
-    mode = config.get("param_rounding", "stochastic")
+    """The params' rounding mode ("auto" resolved: stochastic, or nearest for float16 params),
+    checked against the policy's params dtype."""
+    mode = config.get("param_rounding", "auto")
     if mode not in PARAM_ROUNDINGS:
         raise ConfigError(
             f"unknown param_rounding {mode!r}; accepted: {', '.join(PARAM_ROUNDINGS)}"
         )
-    if mode == "kahan" and np.dtype(policy.param_dtype) == np.float32:
+    dtype = np.dtype(policy.param_dtype)
+    if mode == "auto":
+        return "nearest" if dtype == np.float16 else "stochastic"
+    if mode == "kahan" and dtype != np.dtype(jnp.bfloat16):
         raise ConfigError(
-            f"param_rounding=kahan compensates the rounding of 16-bit params, but policy "
-            f"{config.policy!r} stores them in float32: add ',params=bf16' to the policy"
+            f"param_rounding=kahan compensates the rounding of bfloat16 params, but policy "
+            f"{config.policy!r} stores them in {dtype.name}: add ',params=bf16' to the policy"
         )
-    if mode == "stochastic" and np.dtype(policy.param_dtype) == np.float16:
+    if mode == "stochastic" and dtype == np.float16:
         raise ConfigError(
             f"policy {config.policy!r} stores params in float16, which stochastic rounding does "
             "not take (float16's range, not its precision, fails weights): store them in "
