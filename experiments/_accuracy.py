@@ -18,7 +18,8 @@ from collections.abc import Sequence
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
 # float32; the mixed policies (fp32 params, 16-bit compute; fp16 with jamp's default dynamic loss
-# scale); and all-bf16 ("bfloat16": params, compute and output bf16).
+# scale); and all-bf16 ("bfloat16": params, compute and output bf16; since 2026-12-03 the params
+# take a float32 update rounded stochastically, see accuracy_master_weights.py).
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16", "bfloat16")
 
 
