@@ -145,6 +145,7 @@ def parse_config(config: ml_collections.ConfigDict, devices=None):
         )
     try:
         policy = get_policy(config.policy)
+        param_rounding = _param_rounding(config, policy)
         hardware.matmul_lowering(policy.compute_dtype)  # a bad $JAMP_MATMUL_LOWERING, now
         activations_lib.resolve(config.activations)
         loss_scale = _make_loss_scale(config.loss_scale, config.loss_scale_params, policy)
@@ -159,11 +160,7 @@ def parse_config(config: ml_collections.ConfigDict, devices=None):
             momentum=float(config.momentum),
             state=config.get("optimizer_state", "float32"),
             seed=int(config.seed),
-            kahan_dtype=(
-                np.dtype(policy.param_dtype).name
-                if _param_rounding(config, policy) == "kahan"
-                else ""
-            ),
+            kahan_dtype=np.dtype(policy.param_dtype).name if param_rounding == "kahan" else "",
         )
         data = data_lib.DataConfig(
             dataset=config.dataset,
@@ -216,7 +213,7 @@ def parse_config(config: ml_collections.ConfigDict, devices=None):
         fp8=_fp8(config, policy),
         adaptive=_adaptive(config, policy),
         keep_in_float32=_keep_in_float32(config),
-        param_rounding=_param_rounding(config, policy),
+        param_rounding=param_rounding,
     )
     return run, data, optim, task
 
