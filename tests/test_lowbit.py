@@ -21,35 +21,48 @@ KEY = jax.random.key(0)
 
 
 @pytest.mark.parametrize("signed", [True, False])
-def test_8bit_codes_are_the_nearest_and_their_error_is_bounded(signed):
+@pytest.mark.parametrize("width", [700, 701])  # 4 blocks of 175; 3 of 256, the last padded
+def test_8bit_codes_are_the_nearest_and_their_error_is_bounded(signed, width):
     code = lowbit.dynamic_code(signed)
     assert code.shape == (256,) and np.all(np.diff(code) >= 0)
     assert (code.min(), code.max()) == ((-1.0, 1.0) if signed else (1e-8, 1.0))
-    # values over 8 decades, a last block shorter than the others, a block of zeros
-    x = jax.random.normal(KEY, (6, 700)) * jnp.logspace(-8, 0, 700)
+    count, size = lowbit.block_layout(width, 256)
+    assert (count, size) == ((4, 175) if width == 700 else (3, 256))  # 701: odd
+    # values over 8 decades, a block of zeros
+    x = jax.random.normal(KEY, (6, width)) * jnp.logspace(-8, 0, width)
     x = x.at[2].set(0.0)
     x = x if signed else jnp.abs(x)
     q = lowbit.quantize(x, signed=signed, block=256)
-    assert q.codes.dtype == jnp.uint8 and q.codes.shape == x.shape and q.scales.shape == (6, 3)
+    assert q.codes.dtype == jnp.uint8 and q.codes.shape == x.shape and q.scales.shape == (6, count)
     got = np.asarray(lowbit.dequantize(q))
-    blocks = np.pad(np.asarray(x), [(0, 0), (0, 68)]).reshape(6, 3, 256)
+    blocks = np.pad(np.asarray(x), [(0, 0), (0, count * size - width)]).reshape(6, count, size)
     scales = np.abs(blocks).max(-1)
     np.testing.assert_array_equal(np.asarray(q.scales), scales)
     normalised = blocks / np.where(scales > 0, scales, 1)[..., None]
-    nearest = np.abs(normalised[..., None] - code).argmin(-1).reshape(6, -1)[:, :700]
+    nearest = np.abs(normalised[..., None] - code).argmin(-1).reshape(6, -1)[:, :width]
     np.testing.assert_array_equal(code[np.asarray(q.codes)], code[nearest])
     # the bound: half the widest gap between codes, times the block's scale (1/128 of the
     # block's largest value signed, 1/256 unsigned); a block's largest value is exact
-    scale = np.repeat(scales, 256, -1)[:, :700]
+    scale = np.repeat(scales, size, -1)[:, :width]
     half_gap = np.diff(code).max() / 2
     assert half_gap <= (0.9 / 64 / 2 if signed else 0.9 / 128 / 2) + 1e-7
     assert np.all(np.abs(got - np.asarray(x)) <= half_gap * scale * (1 + 1e-6))
     peaks = np.argmax(np.abs(blocks), -1)
     for r in (0, 1, 3):
-        for b in range(3):
+        for b in range(count):
             v = blocks[r, b, peaks[r, b]]
-            assert got[r, b * 256 + peaks[r, b]] == pytest.approx(v, rel=1e-6)
+            assert got[r, b * size + peaks[r, b]] == pytest.approx(v, rel=1e-6)
     assert np.all(got[2] == 0)  # an all-zero block stays zero
+
+
+def test_8bit_blocks_tile_power_of_two_shards():
+    # (blocks, values per block): whole blocks per shard for any power-of-two split of the row
+    # (Llama-2-7B's mlp 11008 and vocabulary 32000), else padded blocks of 256
+    assert lowbit.block_layout(11008, 256) == (64, 172)
+    assert lowbit.block_layout(32000, 256) == (128, 250)
+    assert lowbit.block_layout(4096, 256) == (16, 256)
+    assert lowbit.block_layout(64, 256) == (1, 64)
+    assert lowbit.block_layout(50257, 256) == (197, 256)  # a prime: padded
 
 
 def test_an_unsigned_code_never_rounds_a_positive_value_to_zero():
@@ -127,6 +140,25 @@ class Wide(nn.Module):
     @nn.compact
     def __call__(self, x):
         return nn.Dense(64)(nn.relu(nn.Dense(256)(x)))
+
+
+def test_8bit_moments_of_a_split_row_quantise_where_they_lie():
+    """A (16, 11008) moment split on its last axis (fsdp=8: 1376 values a device) quantises
+    and dequantises with no collective: its 64 blocks of 172 lie whole on each device (blocks
+    of 256 would straddle the shards, and the partitioner would gather the whole float32 row)."""
+    mesh = sharding.make_mesh("fsdp=8")
+    split = jax.sharding.NamedSharding(mesh, P(None, "fsdp"))
+    x = jax.device_put(jax.random.normal(KEY, (16, 11008)), split)
+
+    def roundtrip(x):
+        q = lowbit.quantize(x, signed=True)
+        return lowbit.dequantize(q), q.scales
+
+    text = jax.jit(roundtrip, in_shardings=split).lower(x).compile().as_text()
+    assert not any(c in text for c in ("all-gather", "all-to-all", "all-reduce", "permute"))
+    got, scales = jax.jit(roundtrip)(x)
+    assert scales.shape == (16, 64)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(roundtrip(np.asarray(x))[0]))
 
 
 def test_8bit_state_is_split_like_its_param_and_checkpoints(tmp_path):
