@@ -6,6 +6,9 @@ Variants (`--config=llama:<variant>`):
                1,452,394,496 parameters; global batch 32
   "7b"         Llama-2-7B's shapes: d_model 4096, 32 layers, 32 heads (and kv heads), mlp 11008,
                vocab 32000, seq_len 4096: 6,738,415,616 parameters; global batch 16
+  "70b"        Llama-2-70B's shapes: d_model 8192, 80 layers, 64 heads, 8 kv heads, mlp 28672,
+               vocab 32000, seq_len 4096: 68,976,648,192 parameters; global batch 16 (its
+               float32 master weights and Adam alone, 828 GB, pass 8 H200s' usable memory)
   "smoke"      2 layers of d_model 32 (4 heads, 2 kv heads) on the offline byte-level "pydoc"
                data under pmap, 12 steps: 25-40 s on a 2-core CPU, the train loss going from 5.9 to 5.2
 
@@ -37,20 +40,25 @@ _SIZES = {
         4096,
         16,
     ),
+    "70b": (
+        dict(num_layers=80, d_model=8192, num_heads=64, num_kv_heads=8, mlp_dim=28672),
+        4096,
+        16,
+    ),
 }
-_VARIANTS = ("", "1b5", "7b", "smoke")
+_VARIANTS = ("", "1b5", "7b", "70b", "smoke")
 
 
 def get_config(variant: str = ""):
     variant = variant or ""
     if variant not in _VARIANTS:
         raise ValueError(
-            f"unknown config variant {variant!r}; accepted: '', '1b5', '7b' or 'smoke'"
+            f"unknown config variant {variant!r}; accepted: '', '1b5', '7b', '70b' or 'smoke'"
         )
     c = _default["get_config"]()
     model_config, c.seq_len, c.batch_size = _SIZES.get(variant, _SIZES["1b5"])
     c.model = "llama_lm"
-    c.model_config.update(model_config, rope_theta=10000.0)
+    c.model_config.update(model_config, rope_theta=10000.0, remat="none")
     c.model_config.max_len = c.get_ref("seq_len")  # follows --config.seq_len overrides
     c.dataset = "synthetic_tokens"
     c.vocab_size = 32000

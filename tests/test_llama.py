@@ -137,18 +137,48 @@ def test_llama_wrapped_in_bf16_runs_every_matmul_on_bf16_operands():
 
 def test_llama_recipe_variants_load_and_unknown_ones_are_rejected():
     get_config = runpy.run_path(str(RECIPE))["get_config"]
-    default, b15, b7, smoke = (get_config(v) for v in ("", "1b5", "7b", "smoke"))
+    default, b15, b7, b70, smoke = (get_config(v) for v in ("", "1b5", "7b", "70b", "smoke"))
     assert default.to_dict() == b15.to_dict()
-    for c in (b15, b7):
+    for c in (b15, b7, b70):
         assert (c.model, c.dataset, c.vocab_size) == ("llama_lm", "synthetic_tokens", 32000)
         assert (c.policy, c.optimizer) == ("mixed_bfloat16", "adamw")
         assert (c.parallelism, c.mesh) == ("sharded", "fsdp=-1")
         assert c.model_config.max_len == c.seq_len
     assert (b15.seq_len, b15.batch_size, b7.seq_len, b7.batch_size) == (2048, 32, 4096, 16)
     assert _num_params(32000, **b15.model_config.to_dict()) == 1_452_394_496  # the docstring's
+    assert _num_params(32000, **b70.model_config.to_dict()) == 68_976_648_192  # Llama-2-70B's
+    assert b70.model_config.remat == "none"
     assert model_task(b7.model) == "lm"
     assert (smoke.dataset, smoke.parallelism, smoke.model_config.d_model) == ("pydoc", "pmap", 32)
     smoke.seq_len = 32  # an override of seq_len carries the model's max_len with it
     assert smoke.model_config.to_dict()["max_len"] == 32
     with pytest.raises(ValueError, match=r"^unknown config variant 'huge'; accepted: '', '1b5'"):
         get_config("huge")
+
+
+def test_llama_remat_keeps_the_gradients_and_rejects_unknown_policies():
+    """remat="dots" (a block keeps its dense layers' outputs and recomputes the rest, so FSDP's
+    weights are gathered again for the backward: experiments/gpu_compile.py's master-weights
+    part) and "full" give the gradients of "none", under jamp.wrap too."""
+    tokens = TOKENS[:, :8]
+
+    def grads(remat):
+        model = jamp.wrap(
+            LlamaLM(**{**SMALL, "num_layers": 2}, max_len=16, remat=remat), "mixed_bfloat16"
+        )
+        variables = _init(model, tokens)
+        loss = lambda p: jnp.mean(model.apply({"params": p}, tokens).astype(jnp.float32) ** 2)  # noqa: E731
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(variables["params"])
+        return jax.jit(jax.grad(loss))(variables["params"]), str(jaxpr)
+
+    plain, plain_jaxpr = grads("none")
+    assert "remat" not in plain_jaxpr and "checkpoint" not in plain_jaxpr
+    for remat in ("dots", "full"):
+        got, jaxpr = grads(remat)
+        assert "remat" in jaxpr or "checkpoint" in jaxpr
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(plain)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-2, atol=1e-5)
+    with pytest.raises(
+        ValueError, match=r"^LlamaLM: unknown remat 'some'; accepted: none, dots, full$"
+    ):
+        LlamaLM(**SMALL, max_len=16, remat="some")

@@ -86,6 +86,17 @@ class LlamaBlock(nn.Module):
         return x_BLD + SwiGLU(self.mlp_dim, name="mlp")(nn.RMSNorm(name="mlp_norm")(x_BLD))
 
 
+#: What each block keeps for the backward pass (`LlamaLM.remat`): "none" everything (XLA keeps
+#: even the weights FSDP gathered for the forward until the backward: a whole model in 16 bits
+#: per device); "dots" the outputs of its matmuls without batch axes (the dense layers), the
+#: rest recomputed, FSDP's weights gathered again for the backward; "full" only its input.
+REMAT = {
+    "none": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+
 class LlamaLM(nn.Module):
     """Next-token logits [batch, length, vocab] for integer tokens [batch, length].
 
@@ -107,6 +118,7 @@ class LlamaLM(nn.Module):
     mlp_dim: int
     max_len: int
     rope_theta: float = 10000.0
+    remat: str = "none"
 
     def __post_init__(self):  # checked on construction, so that a bad config fails in one line
         head_dim, odd = divmod(self.d_model, self.num_heads)
@@ -116,6 +128,8 @@ class LlamaLM(nn.Module):
                 f"num_kv_heads dividing num_heads; got d_model {self.d_model}, num_heads "
                 f"{self.num_heads}, num_kv_heads {self.num_kv_heads}"
             )
+        if self.remat not in REMAT:
+            raise ValueError(f"LlamaLM: unknown remat {self.remat!r}; accepted: {', '.join(REMAT)}")
         super().__post_init__()
 
     @nn.compact
@@ -126,8 +140,11 @@ class LlamaLM(nn.Module):
                 f"LlamaLM: sequence length {tokens_BL.shape[1]} exceeds max_len {self.max_len}"
             )
         x_BLD = nn.Embed(self.vocab_size, self.d_model, name="embed")(tokens_BL)
+        block_class = LlamaBlock
+        if self.remat != "none":
+            block_class = nn.remat(LlamaBlock, policy=REMAT[self.remat])
         for i in range(self.num_layers):
-            block = LlamaBlock(
+            block = block_class(
                 self.num_heads, self.num_kv_heads, self.mlp_dim, self.rope_theta, name=f"layers_{i}"
             )
             x_BLD = block(x_BLD)
