@@ -13,9 +13,10 @@ peak; no speed):
    dtype, the largest global batch that fits.
 3. NNX models, ours and one nobody here wrote (Tunix's Llama 3), wrapped under mixed_bfloat16
    against each model's own bf16 build (experiments/gpu_compile_models.py).
-4. Past float32 master weights: the deepest decoder of Llama-2-7B's widths that fits on 8 H200s
-   under fsdp=8 (seq 512, one sequence per device) with fp32 master weights and Adam, with bf16
-   params and bf16 Adam moments, with bf16 params and 8-bit moments (`--part master_weights`).
+4. Past float32 master weights: the deepest decoder of Llama-2-70B's widths that fits on 8 H200s
+   under fsdp=8 (seq 512, one sequence per device, layers rematerialized keeping their matmuls'
+   outputs) with fp32 master weights and Adam, with bf16 params and bf16 Adam moments, with bf16
+   params and 8-bit moments (`--part master_weights`).
 
     python experiments/gpu_compile.py                   # all (hours on a 2-core CPU)
     python experiments/gpu_compile.py --part gpt2       # question 1 only (each part is added to
@@ -272,39 +273,61 @@ MASTER_VARIANTS = [
     ("bf16 params (stochastic rounding) + bf16 Adam", "mixed_bfloat16,params=bf16", "bfloat16"),
     ("bf16 params (stochastic rounding) + 8-bit Adam", "mixed_bfloat16,params=bf16", "int8"),
 ]
-# Llama-2-7B's widths, a short sequence and one sequence per device: the state, not the
-# activations, decides how deep a model fits (the regime where master weights bound it)
-MASTER_SHAPE = dict(seq_len=512, batch_size=8, mesh="fsdp=8")
+# Llama-2-70B's widths, a short sequence and one sequence per device: the state, not the
+# activations, decides how deep a model fits (the regime where master weights bound it). Each
+# layer is rematerialized keeping its matmuls' outputs (LlamaLM remat="dots"): without it XLA
+# keeps every weight FSDP gathered for the forward pass until the backward, a whole model in
+# bf16 on every device, and that, not the state, bounds the depth.
+MASTER_SHAPE = {"seq_len": 512, "batch_size": 8, "mesh": "fsdp=8", "model_config.remat": "dots"}
+# The compiler's same-shape multi-output fusion merges every layer's optimizer update into a few
+# kernels that grow with the depth (compiles 1.5x longer at 8 layers); off here, where only the
+# memory plan is read (the peak was the same with and without it).
+MASTER_OPTIONS = {
+    **plan.NO_REMAT,
+    "xla_gpu_experimental_enable_same_shape_multi_output_fusion": False,
+}
 
 
-def master_weights_part(quick: bool, log, only=None) -> list[dict]:
-    """The deepest Llama-7B-wide decoder whose step fits on 8 H200s under fsdp=8, per choice of
-    params and optimizer-state storage: layers searched by compiling (plan.search_batch over the
-    layer count, to within one layer)."""
+def master_weights_part(
+    quick: bool, log, only=None, max_compiles: int = 6, variant: str = "", first: int = 0
+) -> list[dict]:
+    """The deepest Llama-70B-wide decoder whose step fits on 8 H200s under fsdp=8, per choice of
+    params and optimizer-state storage: layers searched by compiling (two shallow compiles
+    draw the line the peak follows with depth, plan.search_batch takes it from there, to
+    within 1/32 of the depth or `max_compiles` more compiles; `first`: a depth to compile
+    before the search)."""
     if only:  # its variants are not policies
         return []
     rows = []
-    size, start = ("smoke", 2) if quick else ("7b", 32)
+    size, shallow = ("smoke", (2,)) if quick else ("70b", (2, 6))
     for label, policy, state in MASTER_VARIANTS:
+        if variant not in label:
+            continue
         base = dict(policy=policy, optimizer_state=state, parallelism="sharded", **MASTER_SHAPE)
         reports, recipes = {}, {}
 
-        def peak_at(layers, base=base, reports=reports, recipes=recipes):
+        def peak_at(layers, base=base, reports=reports, recipes=recipes, label=label):
             recipe = _recipe(f"llama:{size}", {**base, "model_config.num_layers": layers}, "h200x8")
-            reports[layers] = plan.compile_at(recipe, recipe.run.batch_size, plan.NO_REMAT)
+            reports[layers] = plan.compile_at(recipe, recipe.run.batch_size, MASTER_OPTIONS)
             recipes[layers] = recipe
-            return reports[layers].memory.peak
+            r = reports[layers]
+            print(
+                f"  {label}: {layers} layers, peak {r.memory.peak / 2**30:.2f} GiB "
+                f"(usable {r.usable_bytes() / 2**30:.2f}), compile {r.compile_seconds:.0f} s",
+                flush=True,
+            )
+            return r.memory.peak
 
-        peak_at(start)
+        known = {layers: peak_at(layers) for layers in (*shallow, first) if layers}
         found = plan.search_batch(
             peak_at,
-            start,
+            shallow[-1],
             1,
-            reports[start].usable_bytes(),
-            max_compiles=0 if quick else 6,
-            known={start: reports[start].memory.peak},
+            reports[shallow[-1]].usable_bytes(),
+            max_compiles=0 if quick else max_compiles,
+            known=known,
         )
-        layers = found.batch or start
+        layers = found.batch or shallow[0]
         report, recipe = reports[layers], recipes[layers]
         row = _row(label, report, recipe.run.batch_size)
         abstract = plan.abstract_state(recipe)[2]
@@ -345,6 +368,26 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=(*PARTS, "all"), default="all")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--max-compiles",
+        type=int,
+        default=6,
+        help="master_weights: compiles per variant after the two shallow ones (the deep ones "
+        "take 5-25 min each on a 2-core CPU)",
+    )
+    parser.add_argument(
+        "--first",
+        type=int,
+        default=0,
+        help="master_weights: a depth to compile before the search (the line through two "
+        "shallow compiles underestimates the peak at depth: 1.11x its slope for fp32 master)",
+    )
+    parser.add_argument(
+        "--variant",
+        default="",
+        help="master_weights: only the variants whose label holds this (e.g. '8-bit'); run "
+        "apart, write each to its own --out",
+    )
     parser.add_argument("--out", default=str(RESULTS / "gpu_compile_h200"))
     parser.add_argument(
         "--policy",
@@ -372,7 +415,14 @@ def main(argv=None):
     for part, run in PARTS.items():
         if args.part in (part, "all"):
             started = time.time()
-            rows = run(args.quick, log, args.policy)
+            more = {}
+            if part == "master_weights":
+                more = {
+                    "max_compiles": args.max_compiles,
+                    "variant": args.variant,
+                    "first": args.first,
+                }
+            rows = run(args.quick, log, args.policy, **more)
             record = run_record(command, time.time() - started)
             if args.policy:
                 if not rows:

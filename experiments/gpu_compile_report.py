@@ -261,11 +261,14 @@ def write(results, out: pathlib.Path, *, fraction: float, target):
         lines += [
             "## Past float32 master weights: the deepest model that fits on 8 x H200 (fsdp=8)",
             "",
-            "Llama-2-7B's widths (d_model 4096, 32 heads, MLP 11008, vocab 32000), AdamW, "
-            "sequence 512, one sequence per device, `mixed_bfloat16` compute; the layer count "
-            "searched by compiling until the deepest that fits and the next that does not are "
-            "one layer apart. Arguments = the train state per device (params, optimizer state); "
-            "gradients are temporaries.",
+            "Llama-2-70B's widths (d_model 8192, 64 heads, 8 kv heads, MLP 28672, vocab 32000), "
+            "AdamW, sequence 512, one sequence per device, `mixed_bfloat16` compute, each layer "
+            'rematerialized keeping its matmuls\' outputs (`remat="dots"`: without it XLA keeps '
+            "every weight gathered for the forward until the backward, a whole model in bf16 on "
+            "each device); the layer count searched by compiling (two shallow compiles, a chosen "
+            "depth, then plan.search_batch to within 1/32 of the depth or its compile budget). "
+            "Arguments = the train state per device (params, optimizer state); gradients are "
+            "temporaries. Compiled without same-shape multi-output fusion (compile time only).",
             "",
         ]
         lines += _master_table(results["master_weights"]) + [""]
