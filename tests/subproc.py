@@ -11,10 +11,21 @@ _PATIENT_COLLECTIVES = (
     "--xla_cpu_collective_call_terminate_timeout_seconds=300"
 )
 
+# The suite's time is mostly XLA compiling small programs that then run for milliseconds, and
+# most of a CPU compile is LLVM optimising the generated loops. Unoptimised machine code computes
+# the same values (XLA:CPU emits no fast-math, and its matmuls and convolutions are library
+# kernels either way) and takes about a third off test_fp8.py and test_sharding.py. It changes
+# nothing a GPU-target test reads: the HLO passes, fusion, buffer assignment and collectives run
+# before LLVM. Benchmarks and experiments run outside the tests keep XLA's default.
+_FAST_COMPILE = "--xla_backend_optimization_level=0"
+
 
 def xla_flags(devices: int) -> str:
-    """XLA_FLAGS for `devices` simulated CPU devices whose collectives wait patiently."""
-    return f"--xla_force_host_platform_device_count={devices} {_PATIENT_COLLECTIVES}"
+    """XLA_FLAGS for `devices` simulated CPU devices whose collectives wait patiently, compiled
+    for compile time rather than run time."""
+    return (
+        f"--xla_force_host_platform_device_count={devices} {_PATIENT_COLLECTIVES} {_FAST_COMPILE}"
+    )
 
 
 def cli_env(devices: int = 2) -> dict:

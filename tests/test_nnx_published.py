@@ -25,7 +25,10 @@ from jamp import traced_for
 def _import_tunix_models():
     spec = importlib.util.find_spec("tunix")
     if spec is None:
-        pytest.skip("google-tunix is not installed (the README's test command installs it)")
+        pytest.skip(
+            "google-tunix is not installed (the README's test command installs it)",
+            allow_module_level=True,
+        )
     if "tunix" not in sys.modules:  # the package, without its __init__ (see the docstring)
         package = types.ModuleType("tunix")
         package.__path__ = list(spec.submodule_search_locations)
