@@ -22,6 +22,7 @@ import jmp
 import numpy as np
 from flax import struct
 
+from jamp import grad_stats
 from jamp.precision import PolicyLike, get_policy
 
 T = TypeVar("T")
@@ -440,46 +441,14 @@ def all_finite(tree: Any) -> jax.Array:
     return jmp.all_finite(tree)
 
 
-def _group_names(paths: list[tuple[str, ...]], depth: int) -> list[str]:
-    """The group of each leaf path: its first `depth` branching levels, joined by "/".
-
-    A level where every path takes the same key (Hugging Face's lone "transformer", a wrapper's
-    name) does not count, so that the groups are the modules a user would name; nor does a list
-    of modules among other modules (every key an index: NNX's `blocks/0` beside `norm`, Hugging
-    Face's `h/0` beside `ln_f`), whose items are groups of their own, like linen's `Block_0`.
-    """
-    names = [""] * len(paths)
-
-    def split(indices, level, left, among_others):
-        ended = [i for i in indices if len(paths[i]) <= level]
-        going = [i for i in indices if len(paths[i]) > level]
-        for i in ended:
-            names[i] = "/".join(paths[i])
-        keys = {paths[i][level] for i in going}
-        items = among_others and not ended and len(keys) > 1 and all(k.isdigit() for k in keys)
-        if left == 0 and not items:
-            for i in going:
-                names[i] = "/".join(paths[i][:level])
-            return
-        children: dict[str, list[int]] = {}
-        for i in going:
-            children.setdefault(paths[i][level], []).append(i)
-        branches = len(children) > 1 or bool(ended)
-        for child in children.values():  # a list's index takes no level of its own
-            split(child, level + 1, left - (branches and not items), branches)
-
-    split(list(range(len(paths))), 0, depth, False)
-    return names
-
-
 def finite_by_group(tree: Any, depth: int = 1) -> dict[str, jax.Array]:
     """Returns `{group: bool scalar}`: whether every leaf of each group of `tree` is finite.
 
     A group is a path prefix of `depth` branching levels: for a Flax params tree with depth=1,
     the model's top-level modules ("Dense_0", "Block_3", ...; an NNX model's list of blocks gives
-    one group per item, "blocks/3"). The work is the same as
-    `all_finite`'s (one reduction per leaf, then a few `and`s), so a train step can say which
-    modules overflowed at no extra cost; `all_finite(tree)` is the `and` of the values.
+    one group per item, "blocks/3"). The flags come from one pass over the leaves
+    (`jamp.grad_stats`, which gives the global norm from the same pass), so a train step can
+    say which modules overflowed at no extra cost; `all_finite(tree)` is the `and` of the values.
 
     Example:
       >>> flags = finite_by_group({"a": {"w": jnp.ones(2)}, "b": {"w": jnp.array([jnp.inf])}})
@@ -488,14 +457,7 @@ def finite_by_group(tree: Any, depth: int = 1) -> dict[str, jax.Array]:
     """
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth!r}.")
-    with_paths, _ = jax.tree_util.tree_flatten_with_path(tree)
-    paths = [tuple(jax.tree_util.keystr((k,), simple=True) for k in path) for path, _ in with_paths]
-    groups: dict[str, list[jax.Array]] = {}
-    for name, (_, leaf) in zip(_group_names(paths, depth), with_paths):
-        leaf = jnp.asarray(leaf)
-        if jnp.issubdtype(leaf.dtype, jnp.inexact):
-            groups.setdefault(name, []).append(jnp.all(jnp.isfinite(leaf)))
-    return {name: jnp.all(jnp.stack(flags)) for name, flags in groups.items()}
+    return grad_stats.grad_stats(tree, depth).finite_by_group
 
 
 def select_tree(pred: Any, a: T, b: T) -> T:

@@ -27,7 +27,8 @@ import optax
 from jax import lax
 
 from jamp import fp8, rounding
-from jamp.loss_scale import all_finite, finite_by_group, select_tree
+from jamp.grad_stats import grad_stats
+from jamp.loss_scale import select_tree
 from jamp.state import TrainState, float32_view
 
 #: The step metric `{fp8 site: how far past fmax its amax went}` (`jamp.fp8.saturation`), with
@@ -272,15 +273,11 @@ def make_train_step(
             if observed is not None:  # every replica scales its next step alike
                 observed = fp8.pmax(observed, axis_name)
         grads = loss_scale.unscale(grads)  # the scale of step 2, not the adjusted one
-        # One flag per module instead of one in all: the same per-leaf reductions, and on a
-        # skipped step it says where the overflow was (averaged already: agreed by replicas).
-        finite_by_module = finite_by_group(grads, attribution_depth) if attribution_depth else {}
-        finite = (
-            jnp.all(jnp.stack([jnp.bool_(True), *finite_by_module.values()]))
-            if attribution_depth
-            else all_finite(grads)
-        )
-        grad_norm = optax.tree.norm(grads)
+        # The norm, the verdict and one flag per module from one pass over the gradients, a few
+        # kernels for all leaves (on a skipped step the flags say where the overflow was; the
+        # gradients are averaged already, so replicas agree).
+        stats = grad_stats(grads, attribution_depth)
+        finite, grad_norm, finite_by_module = stats.finite, stats.norm, stats.finite_by_group
         if max_grad_norm is not None:  # a threshold in true gradient units, so clip unscaled
             grads = _clip_by_global_norm(grads, grad_norm, max_grad_norm)
         # The update is applied in float32 and rounded to the params' dtypes: 16-bit params take

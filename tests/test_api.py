@@ -54,6 +54,7 @@ RANK = {
     "scopes": -2,  # the NNX call scopes: names, read by fp8, nnx and inspect
     "rounding": -1,  # stochastic rounding, beneath the step and lowbit
     "lowbit": -0.5,  # low-bit optimizer state: beneath placement, which places and counts it
+    "grad_stats": 0.5,  # one pass over the gradients: beneath loss_scale and the step
     "loss_scale": 1,
     "engine": 0.9,  # the interpreter beneath autocast, wrap and nnx
     "attention": 0.6,  # fused attention in a compute dtype, which the engine calls
