@@ -137,7 +137,19 @@ def _matmul(lhs, rhs, dims, out_dtype, acc=_ACC, lowering="native"):
     widen = lowering == "upcast"
     if hardware.target_platform() == "cpu":
         return _canonical_matmul(lhs, rhs, dims, acc, widen).astype(out_dtype)
+    if not widen and acc == _ACC and _is_16bit(out_dtype) and lhs.dtype == rhs.dtype == out_dtype:
+        # A 16-bit result straight from the GEMM: XLA:GPU's 16-bit GEMMs (cuBLAS, Triton) sum in
+        # float32 and round once as they write, the value of a float32 result converted, without
+        # writing the float32 result out for another kernel to convert (XLA fuses no convert
+        # into a GEMM whose result several kernels read, as a merged q/k/v projection's is).
+        # (lax.DotAlgorithmPreset.BF16_BF16_F32 would say so in the program, but XLA's cuBLAS
+        # rewrite then drops the GEMM's op name, which the reports attribute kernels by.)
+        return lax.dot_general(lhs, rhs, dims, preferred_element_type=np.dtype(out_dtype))
     return _dot_in(lhs, rhs, dims, acc, widen).astype(out_dtype)
+
+
+def _is_16bit(dtype) -> bool:
+    return np.dtype(dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
 def _inverse_permutation(src):
@@ -195,10 +207,13 @@ def _dot_bwd(dimension_numbers, compute_dtype, out_dtype, placed, lowering, resi
         dimension_numbers, lhs_c.ndim, rhs_c.ndim, g.ndim
     )
     g_c = g.astype(compute_dtype)
+    # A gradient that goes to a 16-bit operand (16-bit activations) is rounded to it anyway.
     acc = _grad_acc(placed[0])
-    d_lhs = lax.transpose(_matmul(g_c, rhs_c, l_dims, acc, acc, lowering), l_perm)
+    out = lhs_like.dtype if placed[0] is None and _is_16bit(lhs_like.dtype) else acc
+    d_lhs = lax.transpose(_matmul(g_c, rhs_c, l_dims, out, acc, lowering), l_perm)
     acc = _grad_acc(placed[1])
-    d_rhs = lax.transpose(_matmul(lhs_c, g_c, r_dims, acc, acc, lowering), r_perm)
+    out = rhs_like.dtype if placed[1] is None and _is_16bit(rhs_like.dtype) else acc
+    d_rhs = lax.transpose(_matmul(lhs_c, g_c, r_dims, out, acc, lowering), r_perm)
     return (
         _to_operand(d_lhs, lhs_like.dtype, placed[0]),
         _to_operand(d_rhs, rhs_like.dtype, placed[1]),

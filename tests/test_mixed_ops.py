@@ -229,3 +229,46 @@ def test_mixed_dot_general_placed_operand_gradient_leaves_in_the_reduce_dtype(re
     np.testing.assert_array_equal(d_x, ref_dx)
     assert d_w.dtype == F32
     np.testing.assert_array_equal(d_w, ref_dw.astype(reduce).astype(F32))
+
+
+class _Gpu:  # the device jamp.hardware.compiling_for reads: an NVIDIA GPU target
+    platform, device_kind, compute_capability = "gpu", "NVIDIA H200", "9.0"
+
+
+def _dot_results(jaxpr):
+    from jax.extend import core as jcore
+
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dot_general":
+            yield np.dtype(e.params["preferred_element_type"] or e.outvars[0].aval.dtype)
+        for sub in jcore.jaxprs_in_params(e.params):
+            yield from _dot_results(sub)
+
+
+@pytest.mark.parametrize("compute", [BF16, F16])
+def test_mixed_dot_general_on_a_gpu_asks_the_gemm_for_its_16_bit_result(compute):
+    """16-bit activations times a float32 weight, for a GPU target: the forward GEMM and the
+    activation gradient's return the 16-bit result they are rounded to anyway (XLA:GPU sums
+    16-bit GEMMs in float32); the float32 weight's gradient stays a float32 GEMM result. The
+    values are those of the float32 results rounded once."""
+    from jamp import hardware
+
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(k1, (8, 6)).astype(compute)
+    w = jax.random.normal(k2, (6, 5))
+    cot = jax.random.normal(k3, (8, 5)).astype(compute)
+    dims = (((1,), (0,)), ((), ()))
+
+    def run(a, b):
+        out, vjp = jax.vjp(
+            lambda a, b: mixed_ops.mixed_dot_general(a, b, dims, compute, compute), a, b
+        )
+        return out, *vjp(cot)
+
+    with hardware.compiling_for(_Gpu()):
+        assert list(_dot_results(jax.make_jaxpr(run)(x, w).jaxpr)) == [compute, compute, F32]
+        gpu = jax.jit(run)(x, w)
+    reference = run(x, w)  # traced for this CPU: float32 GEMM results, converted after
+    for got, want in zip(gpu, reference):
+        assert got.dtype == want.dtype
+        np.testing.assert_allclose(got.astype(F32), want.astype(F32), rtol=1e-2, atol=1e-2)
