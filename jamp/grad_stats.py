@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+#: The name scope of the reductions (in the compiled program's op names).
+SCOPE = "grad_stats"
 # Leaves per stacked group: a fusion's operands are bounded (XLA:GPU splits one with more than
 # ~96 operands and outputs), and 32 per group made no more kernels than larger groups.
 _GROUP = 32
@@ -126,7 +128,8 @@ def grad_stats(tree: Any, depth: int = 1) -> GradStats:
     if not isinstance(depth, int) or depth < 0:
         raise ValueError(f"depth must be an int >= 0, got {depth!r}.")
     paths, leaves = _float_leaves(tree)
-    squares, zeros = leaf_sums(leaves)
+    with jax.named_scope(SCOPE):  # the compiled program's op names say which kernels these are
+        squares, zeros = leaf_sums(leaves)
     ok = zeros == 0  # NaN == 0 is False
     by_group: dict[str, jax.Array] = {}
     if depth and leaves:
@@ -140,4 +143,4 @@ def grad_stats(tree: Any, depth: int = 1) -> GradStats:
     return GradStats(jnp.sqrt(jnp.sum(squares)), jnp.all(ok), by_group)
 
 
-__all__ = ["GradStats", "grad_stats", "group_names", "leaf_sums"]
+__all__ = ["SCOPE", "GradStats", "grad_stats", "group_names", "leaf_sums"]

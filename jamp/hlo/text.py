@@ -54,7 +54,7 @@ ITEMSIZE = {
     "c128": 16,
 }
 
-_HEAD = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+(?:\{[\d,]*\})?)\s*=\s*")
+_HEAD = re.compile(r"^\s*(?P<root>ROOT\s+)?%?(?P<name>[\w.\-]+(?:\{[\d,]*\})?)\s*=\s*")
 _COMPUTATION = re.compile(r"^\s*(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _OPERAND = re.compile(r"%([\w.\-]+)(?:#(\d+))?\s*$")  # `%name`, `%tuple#1` (an element of it)
@@ -81,6 +81,8 @@ class Instruction:
       operand_elements: per operand, the element of a tuple it takes (`%t#1`), else None.
       computation: the computation it belongs to.
       attributes: the text after its operand list (attributes, metadata, backend config).
+      root: whether it is its computation's ROOT.
+      args: the text of its operand list as written (a parameter's number, a constant's value).
     """
 
     name: str
@@ -90,6 +92,8 @@ class Instruction:
     computation: str
     attributes: str
     operand_elements: tuple[Optional[int], ...] = ()
+    root: bool = False
+    args: str = ""
 
     @property
     def dtype(self) -> str:
@@ -233,6 +237,7 @@ def parse_line(line: str, computation: str = "") -> Optional[Instruction]:
     if not m:
         return None
     close = _matching(rest, m.end() - 1)
+    args = rest[m.end() : close - 1]
     operands, elements = [], []
     for operand in split_top(rest[m.end() : close - 1]):
         named = _OPERAND.search(operand)
@@ -247,6 +252,8 @@ def parse_line(line: str, computation: str = "") -> Optional[Instruction]:
         computation=computation,
         attributes=rest[close:].strip().lstrip(", "),
         operand_elements=tuple(elements),
+        root=bool(head.group("root")),
+        args=args if m.group(1) in ("parameter", "constant") else "",
     )
 
 

@@ -4,9 +4,12 @@ Built from the compiled program and XLA's dumps (`jamp.hlo`): memory per device 
 `memory_analysis()`, and live bytes by dtype from its buffer assignment), GEMMs by kernel family
 and operand dtypes with their FLOPs, every float32 GEMM by module path, attention calls (cuDNN's
 fused kernel or separate matmuls and softmax), and collectives by kind, dtype and mesh axis.
-Printable (`table()`) and as data (`to_dict()`, `to_json()`).
+Printable (`table()`) and as data (`to_dict()`, `to_json()`). With it, a predicted step time
+(`jamp.inspect.timing`): the kernels by kind and the costliest ones, by a roofline per kernel
+plus its launch.
 
-All memory figures are XLA's plan for the target, not a measured peak.
+All memory figures are XLA's plan for the target, not a measured peak; the step time is a model
+fitted to measured steps, not a measurement.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any, Optional
 
 from jamp import hlo
 from jamp.hlo import buffers
+from jamp.inspect import timing
 from jamp.inspect._paths import op_name_path
 
 _GIB = float(1 << 30)
@@ -111,6 +115,8 @@ class CompileReport:
     # What jamp's engine recognised as attention while tracing, per call: (module path, how it
     # runs: "cudnn", "xla" (written out) or "unfused" (as traced), why not cuDNN).
     attention_traced: tuple[tuple[str, str, str], ...] = ()
+    # The step time predicted from the program's kernels (a model, not a measurement).
+    estimate: Optional[timing.Estimate] = None
 
     def usable_bytes(self, fraction: Optional[float] = None) -> int:
         """Bytes a step may plan for per device: `fraction` (default
@@ -155,6 +161,7 @@ class CompileReport:
         ]
         out["fits"] = self.fits()
         out["usable_bytes"] = self.usable_bytes()
+        out["estimate"] = self.estimate.to_dict() if self.estimate is not None else None
         return out
 
     def to_json(self) -> str:
@@ -244,6 +251,8 @@ def _table_lines(r: CompileReport) -> list[str]:
         lines.append(
             f"  {c.kind:<18} {c.dtype:<9} over {over:<12} x{c.count:<5} {_size(c.nbytes):>12}{feeds}"
         )
+    if r.estimate is not None:
+        lines.extend(r.estimate.lines())
     return lines
 
 
@@ -378,4 +387,5 @@ def build_report(
         collectives=tuple(_collective_groups(program, mesh)),
         hlo_text=text,
         attention_traced=tuple(tuple(a) for a in attention_traced),
+        estimate=timing.estimate(program, target.gpu),
     )

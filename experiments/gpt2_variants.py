@@ -1,0 +1,244 @@
+"""The GPT-2-small train steps that the GPU experiments compile and time, built one way for all.
+
+Each variant is one train step of one network at one precision, with AdamW (lr 1e-4) and the
+next-token loss written as users write it (`optax.softmax_cross_entropy_with_integer_labels` on
+the logits cast to float32):
+
+  lm_fp32           jamp's TransformerLM (12 x 768, 12 heads, vocab 50304), float32 (TF32 on a
+                    GPU: JAX's default precision), a plain value_and_grad + optax step
+  lm_jamp_bf16      the same model, jamp.wrap(model, "mixed_bfloat16") + jamp.make_train_step
+  lm_jamp_f16       jamp.wrap(model, "mixed_float16") + make_train_step, dynamic loss scale
+  lm_hand_bf16      the same network written by hand in bf16 Flax (peers_flax.HandLM) with
+                    jax.nn.dot_product_attention(implementation="cudnn"), a plain step
+  hf_fp32           Hugging Face's Flax GPT-2 (transformers < 5), float32, a plain step
+  hf_bf16           Hugging Face's own dtype=bfloat16 build, a plain step
+  hf_jamp_bf16      jamp.wrap(Hugging Face's float32 model, "mixed_bfloat16") + make_train_step
+  lm_plain_bf16, hf_plain_bf16, llama_plain_bf16
+                    the wrapped model under a plain value_and_grad + optax step: what
+                    make_train_step's own work is counted against
+  llama_jamp_bf16   jamp's LlamaLM (12 x 768, 12 heads, 4 kv heads, MLP 2048, vocab 32000) wrapped
+
+`build(name, batch, quick)` gives the jitted step, a function making its concrete arguments, and
+their abstract shapes (for `jamp.compile_for` on a machine without the GPU). `quick` shrinks the
+shapes for a CPU dry run. The hf_* variants need transformers < 5 (the last with Flax classes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sys
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from peers_flax import HandLM  # noqa: E402
+
+import jamp  # noqa: E402
+from jamp.models.llama import LlamaLM  # noqa: E402
+from jamp.models.transformer import TransformerLM  # noqa: E402
+
+GPT2 = dict(layers=12, d=768, heads=12, mlp=3072, seq=1024, vocab=50304)
+QUICK = dict(layers=2, d=64, heads=4, mlp=256, seq=64, vocab=512)
+VARIANTS = (
+    "lm_fp32",
+    "lm_jamp_bf16",
+    "lm_jamp_f16",
+    "lm_hand_bf16",
+    "lm_plain_bf16",
+    "hf_fp32",
+    "hf_bf16",
+    "hf_jamp_bf16",
+    "hf_plain_bf16",
+    "llama_jamp_bf16",
+    "llama_plain_bf16",
+)
+LR = 1e-4
+
+
+@dataclasses.dataclass
+class Built:
+    """A variant's jitted step `step(*args)`, `make_args()` for its concrete arguments, their
+    abstract shapes, and the model FLOPs of one step (PaLM's count, for MFU)."""
+
+    name: str
+    step: Callable
+    make_args: Callable[[], tuple]
+    abstract_args: tuple
+    model_flops: float
+    params: int
+
+
+def _cudnn_attention(query, key, value, bias=None, mask=None, **_):
+    """Flax's attention_fn signature as cuDNN's fused kernel (causal, as the mask is)."""
+    del bias, mask
+    return jax.nn.dot_product_attention(query, key, value, is_causal=True, implementation="cudnn")
+
+
+def _hf_module(shape, dtype):
+    from transformers import FlaxGPT2LMHeadModel, GPT2Config
+
+    config = GPT2Config(
+        vocab_size=shape["vocab"],
+        n_positions=shape["seq"],
+        n_embd=shape["d"],
+        n_layer=shape["layers"],
+        n_head=shape["heads"],
+        n_inner=shape["mlp"],
+    )
+    return FlaxGPT2LMHeadModel(config, input_shape=(1, 8), dtype=dtype, _do_init=False).module
+
+
+def _model(family: str, shape, dtype=jnp.float32):
+    if family == "lm":
+        return TransformerLM(
+            vocab_size=shape["vocab"],
+            num_layers=shape["layers"],
+            d_model=shape["d"],
+            num_heads=shape["heads"],
+            mlp_dim=shape["mlp"],
+            max_len=shape["seq"],
+        )
+    if family == "hand":
+        return HandLM(
+            vocab_size=shape["vocab"],
+            dtype=dtype,
+            num_layers=shape["layers"],
+            d_model=shape["d"],
+            num_heads=shape["heads"],
+            mlp_dim=shape["mlp"],
+            max_len=shape["seq"],
+            attention_fn=_cudnn_attention,
+        )
+    if family == "llama":
+        return LlamaLM(
+            vocab_size=min(shape["vocab"], 32000),
+            num_layers=shape["layers"],
+            d_model=shape["d"],
+            num_heads=shape["heads"],
+            num_kv_heads=max(1, shape["heads"] // 3),
+            mlp_dim=shape["mlp"] * 2 // 3,
+            max_len=shape["seq"],
+        )
+    if family == "hf":
+        return _hf_module(shape, dtype)
+    raise ValueError(family)
+
+
+def _forward(family: str, module):
+    """(init(key, tokens), logits(params, tokens)) for a module (wrapped or not)."""
+    if family != "hf":
+        return (
+            lambda key, tokens: module.init(key, tokens),
+            lambda params, tokens: module.apply({"params": params}, tokens),
+        )
+
+    def extra(tokens):  # HF's Flax modules take the mask and positions positionally
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        return jnp.ones_like(tokens), positions
+
+    return (
+        lambda key, tokens: module.init(key, tokens, *extra(tokens)),
+        lambda params, tokens: module.apply({"params": params}, tokens, *extra(tokens))[0],
+    )
+
+
+def _loss(logits, tokens):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), tokens[:, 1:]
+    ).mean()
+
+
+def build(name: str, batch: int = 8, quick: bool = False, shape: dict | None = None) -> Built:
+    """The variant `name` (see the module docstring) at `batch` sequences, GPT-2 small's shape
+    (QUICK's with `quick`, or `shape`: layers, d, heads, mlp, seq, vocab)."""
+    if name not in VARIANTS:
+        raise ValueError(f"unknown variant {name!r}; variants: {', '.join(VARIANTS)}")
+    shape = shape or (QUICK if quick else GPT2)
+    family, kind = name.split("_", 1)
+    policy = {"jamp_bf16": "mixed_bfloat16", "jamp_f16": "mixed_float16"}.get(kind)
+    wrap_policy = policy or ("mixed_bfloat16" if kind == "plain_bf16" else None)
+    if family == "lm" and kind == "hand_bf16":
+        module = _model("hand", shape, jnp.bfloat16)
+    elif family == "hf" and kind == "bf16":
+        module = _model("hf", shape, jnp.bfloat16)
+    else:
+        module = _model(family, shape)
+    if wrap_policy:
+        module = jamp.wrap(module, wrap_policy)
+    init, logits_of = _forward(family, module)
+    tx = optax.adamw(LR)
+    length = shape["seq"]
+    sample = jnp.zeros((1, min(8, length)), jnp.int32)
+    params_shape = jax.eval_shape(lambda: init(jax.random.key(0), sample)["params"])
+    tokens = jax.ShapeDtypeStruct((batch, length + 1), jnp.int32)
+
+    def make_params():
+        return jax.jit(lambda: init(jax.random.key(0), sample)["params"])()
+
+    def make_tokens():
+        return jax.random.randint(jax.random.key(1), tokens.shape, 0, shape["vocab"] // 2)
+
+    if policy:  # jamp's step
+
+        def loss_fn(params, model_state, batch_, rng):
+            del rng
+            toks = batch_["tokens"]
+            return _loss(logits_of(params, toks[:, :-1]), toks), (model_state, {})
+
+        loss_scale = jamp.loss_scale_for(policy)
+        step = jax.jit(jamp.make_train_step(loss_fn, tx), donate_argnums=(0,))
+
+        def make_state(p):
+            return jamp.TrainState.create(p, tx, loss_scale=loss_scale)
+
+        abstract = (
+            jax.eval_shape(make_state, params_shape),
+            {"tokens": tokens},
+            jax.eval_shape(lambda: jax.random.key(0)),
+        )
+
+        def make_args():
+            return (make_state(make_params()), {"tokens": make_tokens()}, jax.random.key(0))
+
+    else:  # a plain value_and_grad + optax step, as users write one
+
+        def plain(params, opt_state, toks):
+            def loss(p):
+                return _loss(logits_of(p, toks[:, :-1]), toks)
+
+            value, grads = jax.value_and_grad(loss)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value
+
+        step = jax.jit(plain, donate_argnums=(0, 1))
+        abstract = (params_shape, jax.eval_shape(tx.init, params_shape), tokens)
+
+        def make_args():
+            p = make_params()
+            return (p, tx.init(p), make_tokens())
+
+    n = sum(x.size for x in jax.tree.leaves(params_shape))
+    flops = model_flops(n, shape, batch)
+    return Built(name, step, make_args, abstract, flops, n)
+
+
+def model_flops(params: int, shape: dict, batch: int) -> float:
+    """PaLM's model FLOPs of one train step: 6 N + 12 L T E per token (T: sequence, E: width)."""
+    per_token = 6 * params + 12 * shape["layers"] * shape["seq"] * shape["d"]
+    return float(per_token * batch * shape["seq"])
+
+
+def next_state(name: str, args: tuple, out: Any) -> tuple:
+    """The arguments of the next step, from this step's outputs (the state is donated)."""
+    if name.split("_", 1)[1] in ("jamp_bf16", "jamp_f16"):
+        return (out[0], args[1], args[2])
+    return (out[0], out[1], args[2])
+
+
+__all__ = ["GPT2", "QUICK", "VARIANTS", "Built", "build", "model_flops", "next_state"]

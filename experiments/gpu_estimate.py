@@ -1,0 +1,146 @@
+"""The step-time model of `jamp.compile_for` (jamp.inspect.timing), calibrated and checked.
+
+The H200 measurement of research/gpu_h200.md timed three JAX steps of Hugging Face's Flax GPT-2
+small (batch 8 x 1024, AdamW): TF32 52.63 ms, HF's own bf16 build 27.21 ms, jamp.wrap
+mixed_bfloat16 + make_train_step 24.55 ms (jamp at 63141af). This script compiles those three
+programs for an H200 on this machine (no GPU), and fits the model's launch cost and GEMM
+efficiency to them (bandwidth and attention shares fixed: see FIXED), then states each row's
+error. The jamp row must be the program that was measured, so its HLO comes from a checkout of
+63141af:
+
+    git worktree add /tmp/jamp-63141af 63141af
+    cp experiments/gpt2_variants.py experiments/gpu_estimate.py /tmp/jamp-63141af/experiments/
+    (cd /tmp/jamp-63141af && python experiments/gpu_estimate.py --dump /tmp/hlo-63141af \\
+        --variants hf_jamp_bf16)
+    python experiments/gpu_estimate.py --dump /tmp/hlo-now        # every variant, this tree
+    python experiments/gpu_estimate.py --calibrate /tmp/hlo-63141af /tmp/hlo-now
+
+writes experiments/results/gpu_estimate_h200.md (and .json): the fitted constants, each
+calibration row's predicted and measured time, and every dumped variant's predicted time,
+kernel launches by kind and top kernels. Needs JAX's CUDA plugin (the gpu-compile extra) and,
+for the hf_* variants, transformers < 5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+#: What was measured on one H200 (research/gpu_h200.md), ms per step: variant -> (ms, source).
+MEASURED = {
+    "hf_fp32": 52.63,
+    "hf_bf16": 27.21,
+    "hf_jamp_bf16": 24.55,
+}
+#: Held fixed while fitting (three rows cannot pin four constants): a streaming kernel's share of
+#: HBM bandwidth, and cuDNN flash attention's share of the dense peak (forward and backward).
+FIXED = {"memory": 0.80, "attention": 0.45}
+
+
+def dump(out: pathlib.Path, variants, quick: bool) -> None:
+    """Compiles each variant for one H200 and writes <variant>.hlo and <variant>.json."""
+    import gpt2_variants
+
+    from jamp.target import compile_for
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in variants:
+        built = gpt2_variants.build(name, batch=8, quick=quick)
+        report = compile_for(built.step, *built.abstract_args, target="h200")
+        (out / f"{name}.hlo").write_text(report.hlo_text)
+        m = report.memory
+        info = {"variant": name, "temp": m.temporaries, "peak": m.peak, "params": built.params}
+        (out / f"{name}.json").write_text(json.dumps(info))
+        print(f"{name}: peak {m.peak / 2**30:.2f} GiB, temporaries {m.temporaries / 2**30:.2f}")
+
+
+def _kernels(path: pathlib.Path):
+    from jamp import hlo
+    from jamp.hlo.kernels import kernels
+
+    return kernels(hlo.parse(path.read_text()))
+
+
+def _total(kernels, gpu, rates) -> float:
+    from jamp.inspect.timing import kernel_seconds
+
+    return sum(kernel_seconds(k, gpu, rates)[0] * k.count for k in kernels)
+
+
+def fit(found: dict, gpu):
+    """The launch cost and GEMM share minimising the largest relative error over `found`
+    (variant -> kernels), on a grid; returns (rates, {variant: predicted seconds})."""
+    from jamp.inspect.timing import Rates
+
+    best = None
+    for launch, matmul in itertools.product(
+        np.arange(0.5e-6, 10.01e-6, 0.1e-6), np.arange(0.30, 0.951, 0.01)
+    ):
+        rates = Rates(launch=float(launch), matmul=float(matmul), **FIXED)
+        predicted = {v: _total(k, gpu, rates) for v, k in found.items()}
+        worst = max(abs(predicted[v] * 1e3 / MEASURED[v] - 1) for v in found)
+        if best is None or worst < best[0]:
+            best = (worst, rates, predicted)
+    return best[1], best[2]
+
+
+def calibrate(measured_dir: pathlib.Path, now_dir: pathlib.Path) -> None:
+    from jamp.inspect.timing import estimate
+    from jamp.hlo.text import parse
+    from jamp.target import GPUS
+
+    gpu = GPUS["h200"]
+    sources = {
+        v: (measured_dir if (measured_dir / f"{v}.hlo").exists() else now_dir) / f"{v}.hlo"
+        for v in MEASURED
+    }
+    found = {v: _kernels(p) for v, p in sources.items()}
+    rates, predicted = fit(found, gpu)
+    rows = []
+    for v in MEASURED:
+        p = predicted[v] * 1e3
+        rows.append(
+            {
+                "variant": v,
+                "measured_ms": MEASURED[v],
+                "predicted_ms": round(p, 2),
+                "error": round(p / MEASURED[v] - 1, 4),
+                "hlo": str(sources[v]),
+            }
+        )
+    variants = []
+    for path in sorted(now_dir.glob("*.hlo")):
+        est = estimate(parse(path.read_text()), gpu, rates)
+        variants.append({"variant": path.stem, **est.to_dict()})
+    result = {"rates": rates.__dict__, "fixed": FIXED, "calibration": rows, "variants": variants}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "gpu_estimate_h200.json").write_text(json.dumps(result, indent=1, default=str))
+    print(json.dumps({"rates": rates.__dict__, "calibration": rows}, indent=1))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dump", type=pathlib.Path, help="compile the variants, write HLO here")
+    parser.add_argument("--variants", nargs="*", default=None)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes")
+    parser.add_argument("--calibrate", nargs=2, type=pathlib.Path, metavar=("MEASURED", "NOW"))
+    args = parser.parse_args(argv)
+    if args.dump:
+        import gpt2_variants
+
+        dump(args.dump, args.variants or gpt2_variants.VARIANTS, args.quick)
+    if args.calibrate:
+        calibrate(*args.calibrate)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,315 @@
+"""The kernels a compiled GPU program launches, with the bytes each moves and the FLOPs it does.
+
+On a GPU each top-level instruction of the optimized program that does work is one kernel (or
+one library call): a fusion, a cuBLAS / cuDNN custom call, a copy, a collective. They run in the
+entry computation's order, a loop body's as often as its trip count. For each one this reads:
+
+* its kind (`KINDS`): "gemm" (a GEMM fusion, a cuBLAS call, a convolution), "attention" (cuDNN's
+  fused attention), "reduction" (XLA's input fusions, whose root reduces), "elementwise" (loop
+  fusions), "transpose", "scatter", "copy", "collective", or "other";
+* the bytes it reads and writes: its operands and results, where a fusion reads only slices of
+  an operand the slices, and an in-place update (a dynamic-update-slice root: a scan's carry)
+  only the update;
+* the FLOPs of its matrix units (GEMMs, convolutions, attention's two or five GEMMs; causal
+  attention counts half) and the dtype they run in ("bf16", "f16", "f8", "f32": TF32 on a GPU).
+
+Example::
+
+    for k in kernels(parse(compiled.as_text())):
+        print(k.kind, k.name, k.bytes, k.flops, k.dtype, k.count, k.op_name)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from jamp.hlo.gemms import Gemm, gemms
+from jamp.hlo.text import Instruction, Program, array_bytes
+
+KINDS = (
+    "gemm",
+    "attention",
+    "reduction",
+    "elementwise",
+    "transpose",
+    "scatter",
+    "copy",
+    "collective",
+    "other",
+)
+# Instructions that launch nothing: values, views, control (their bodies are read apart).
+_NO_KERNEL = frozenset(
+    {
+        "parameter",
+        "constant",
+        "tuple",
+        "get-tuple-element",
+        "bitcast",
+        "while",
+        "call",
+        "conditional",
+        "after-all",
+        "add-dependency",
+        "opt-barrier",
+        "partition-id",
+        "replica-id",
+        "domain",
+    }
+)
+_COLLECTIVE_OPS = (
+    "all-gather",
+    "all-reduce",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+    "send",
+    "recv",
+)
+_SLICES = frozenset({"slice", "dynamic-slice"})
+_VIEWS = frozenset({"bitcast", "reshape"})
+# Control flow whose called computations run as kernel sequences of their own.
+_CONTROL = frozenset({"while", "call", "conditional"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One kernel launch (or library call) of a compiled program, per run of its computation."""
+
+    name: str  # the HLO instruction
+    kind: str  # one of KINDS
+    detail: str  # the fusion kind, custom-call target or opcode
+    op_name: str  # the JAX name stack it came from ("" when XLA kept none)
+    bytes: int  # read + written
+    flops: int  # of matrix units (GEMMs, attention); 0 for other kernels
+    dtype: str  # what the matrix units multiply ("bf16", "f32", ...); "" for other kernels
+    count: int = 1  # runs per run of the program
+    collective_bytes: int = 0  # a collective's result bytes on one device
+
+
+def _dtype_class(operands: tuple[str, ...]) -> str:
+    if any(d in ("f32", "f64") for d in operands):
+        return "f32"
+    if any(d.startswith("f8") for d in operands):
+        return "f8"
+    if "f16" in operands:
+        return "f16"
+    if "bf16" in operands:
+        return "bf16"
+    return operands[0] if operands else ""
+
+
+def _attention_flops(program: Program, inst: Instruction) -> int:
+    """2 GEMMs forward (scores, mix), 5 backward (recompute scores, dP, dQ, dK, dV); causal masks
+    skip half of each. From the scores' shape [B, H, Lq, Lk] and the head size."""
+    config = inst.backend_config().get("cudnn_fmha_backend_config", {})
+    scores = config.get("intermediate_tensor_shape", {}).get("dimensions", [])
+    operands = program.operand_arrays(inst)
+    if len(scores) != 4 or not operands:
+        return 0
+    head = operands[0][1][-1] if operands[0][1] else 0
+    one = 2 * int(np.prod([int(d) for d in scores], dtype=np.int64)) * int(head)
+    gemms = 5 if "Backward" in inst.target else 2
+    causal = 0.5 if "CAUSAL" in str(config.get("mask_type", "")) else 1.0
+    return int(one * gemms * causal)
+
+
+def _body(program: Program, inst: Instruction) -> list[Instruction]:
+    return [i for name in inst.calls for i in program.computations.get(name, ())]
+
+
+def _param_reads(body: list[Instruction]) -> dict[int, Optional[int]]:
+    """Per parameter number of a fused computation, the bytes it reads of that operand where it
+    reads less than all of it (slices; 0 for the buffer an in-place update writes into), else
+    None."""
+    users: dict[str, list[Instruction]] = {}
+    for i in body:
+        for operand in i.operands:
+            users.setdefault(operand, []).append(i)
+    out: dict[int, Optional[int]] = {}
+    for param in body:
+        if param.op != "parameter" or not param.args.strip().isdigit():
+            continue
+        reads: list[int] = []
+        todo, partial = [param.name], True
+        while todo and partial:
+            name = todo.pop()
+            for user in users.get(name, ()):
+                if user.op in _VIEWS:
+                    todo.append(user.name)
+                elif user.op in _SLICES and user.operands[:1] == (name,):
+                    reads.append(user.nbytes)
+                elif user.op == "dynamic-update-slice" and user.operands[:1] == (name,):
+                    reads.append(0)
+                else:
+                    partial = False
+                    break
+        out[int(param.args)] = sum(reads) if partial and reads else None
+    return out
+
+
+def _written(body: list[Instruction], result_bytes: int) -> int:
+    """Bytes a fusion writes: its results, but only the update of an in-place update."""
+    by_name = {i.name: i for i in body}
+    root = next((i for i in body if i.root), None)
+    if root is None:
+        return result_bytes
+    roots = [by_name[o] for o in root.operands if o in by_name] if root.op == "tuple" else [root]
+    total = 0
+    for r in roots:
+        while r.op in _VIEWS and r.operands and r.operands[0] in by_name:
+            r = by_name[r.operands[0]]
+        if r.op == "dynamic-update-slice" and len(r.operands) > 1 and r.operands[1] in by_name:
+            total += by_name[r.operands[1]].nbytes
+        else:
+            total += r.nbytes
+    return total
+
+
+def _fusion_bytes(program: Program, inst: Instruction) -> int:
+    body = _body(program, inst)
+    reads = _param_reads(body)
+    total = 0
+    for number, name in enumerate(inst.operands):
+        operand = program.by_name.get(name)
+        if operand is None:
+            continue
+        partial = reads.get(number)
+        total += operand.nbytes if partial is None else partial
+    return total + _written(body, inst.nbytes)
+
+
+def _plain_bytes(program: Program, inst: Instruction) -> int:
+    operands = sum(
+        array_bytes(d, s) for d, s in (program.operand_arrays(inst) if inst.operands else ())
+    )
+    return operands + inst.nbytes
+
+
+def _kind(inst: Instruction, gemm: Optional[Gemm]) -> tuple[str, str]:
+    op = inst.op
+    if gemm is not None:
+        return "gemm", gemm.kind
+    if op == "custom-call":
+        target = inst.target
+        if target.startswith("__cudnn$fmha"):
+            return "attention", target
+        return "other", target
+    base = op.removesuffix("-start")
+    if base in _COLLECTIVE_OPS or op.startswith("async"):
+        return "collective", op
+    if op == "fusion":
+        kind = inst.fusion_kind
+        if kind == "kInput":
+            return "reduction", kind
+        if kind == "kLoop":
+            return "elementwise", kind
+        if "transpose" in inst.name:
+            return "transpose", kind
+        if "scatter" in inst.name:
+            return "scatter", kind
+        return "other", kind
+    if op in ("copy", "copy-start"):
+        return "copy", op
+    if op == "transpose":
+        return "transpose", op
+    if op in ("scatter", "select-and-scatter"):
+        return "scatter", op
+    if op == "reduce":
+        return "reduction", op
+    return "other", op
+
+
+def _kernel_computations(program: Program) -> dict[str, int]:
+    """The computations whose instructions launch kernels (the entry, loop bodies and
+    conditions, called computations, conditional branches), with their runs per program run."""
+    times = program.multiplicity()
+    out = {program.entry: 1}
+    todo = [program.entry]
+    while todo:
+        computation = todo.pop()
+        for inst in program.computations.get(computation, ()):
+            if inst.op in _CONTROL:
+                for name in inst.called:
+                    if name not in out:
+                        out[name] = times.get(name, 1)
+                        todo.append(name)
+    return out
+
+
+def kernels(program: Program) -> list[Kernel]:
+    """Every kernel launch of a compiled program, in program order (a loop body's once, with its
+    `count`). A conditional's branches are all listed, as if each ran."""
+    by_gemm = {g.name: g for g in gemms(program)}
+    found = []
+    for computation, times in _kernel_computations(program).items():
+        for inst in program.computations.get(computation, ()):
+            if inst.op in _NO_KERNEL or inst.op.endswith("-done"):
+                continue
+            gemm = by_gemm.get(inst.name)
+            kind, detail = _kind(inst, gemm)
+            flops, dtype = 0, ""
+            if gemm is not None:
+                flops, dtype = gemm.flops, _dtype_class(gemm.operands)
+            elif kind == "attention":
+                flops = _attention_flops(program, inst)
+                dtype = _dtype_class(tuple(d for d, _ in program.operand_arrays(inst)[:1]))
+            nbytes = (
+                _fusion_bytes(program, inst) if inst.op == "fusion" else _plain_bytes(program, inst)
+            )
+            found.append(
+                Kernel(
+                    inst.name,
+                    kind,
+                    detail,
+                    inst.op_name,
+                    nbytes,
+                    flops,
+                    dtype,
+                    times,
+                    inst.nbytes if kind == "collective" else 0,
+                )
+            )
+    return found
+
+
+def shared_results(program: Program, scope: str) -> list[str]:
+    """The elementwise kernels (loop fusions, transposes, copies) whose results are read both by
+    a kernel of name scope `scope` and by another kernel: what XLA wrote out because two kernels
+    read it, where one reader alone would have fused it in. E.g. with `jamp.grad_stats.SCOPE`,
+    the gradients that the finite check reads beside the update."""
+    found = kernels(program)
+    kernel_names = {k.name for k in found}
+    movable = {k.name for k in found if k.kind in ("elementwise", "transpose", "copy")}
+    readers: dict[str, set[str]] = {}
+    for inst in program.instructions:
+        if inst.name not in kernel_names:
+            continue
+        for operand in inst.operands:
+            source = _through_views(program, operand)
+            if source in kernel_names:
+                readers.setdefault(source, set()).add(inst.name)
+    out = []
+    for source, names in readers.items():
+        scoped = {n for n in names if f"/{scope}/" in program.by_name[n].op_name}
+        if scoped and names - scoped and source in movable:
+            out.append(source)
+    return sorted(out)
+
+
+def _through_views(program: Program, name: str) -> str:
+    """The instruction a value comes from, looking through bitcasts and tuple elements."""
+    seen = 0
+    inst = program.by_name.get(name)
+    while inst is not None and inst.op in ("bitcast", "get-tuple-element") and seen < 16:
+        name = inst.operands[0] if inst.operands else name
+        inst = program.by_name.get(name)
+        seen += 1
+    return name
+
+
+__all__ = ["KINDS", "Kernel", "kernels", "shared_results"]

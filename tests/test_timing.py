@@ -1,0 +1,204 @@
+"""jamp.hlo.kernels and jamp.inspect.timing: a compiled program's kernels and its predicted time.
+
+The reading rules on small HLO texts (no compile); the kernels of real H200 programs where JAX's
+CUDA plugin is installed; and the train step's own kernels against a plain step's.
+"""
+
+import pytest
+
+from jamp import hlo
+from jamp import target as target_lib
+from jamp.hlo.kernels import kernels
+from jamp.inspect import timing
+
+needs_plugin = pytest.mark.skipif(
+    not target_lib.plugin_available(),
+    reason="JAX's CUDA plugin is not installed (pip install 'jamp-jax[gpu-compile]')",
+)
+H200 = target_lib.GPUS["h200"]
+
+_PROGRAM = """HloModule jit_step
+
+%fused_dot (p0: bf16[64,32], p1: bf16[32,128]) -> bf16[64,128] {
+  %p0_fused_dot = bf16[64,32]{1,0} parameter(0)
+  %p1_fused_dot = bf16[32,128]{1,0} parameter(1)
+  ROOT %dot.3 = bf16[64,128]{1,0} dot(%p0_fused_dot, %p1_fused_dot), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_slice (p0: f32[4,1024]) -> f32[1024] {
+  %p0_fused_slice = f32[4,1024]{1,0} parameter(0)
+  %s_fused_slice = f32[1,1024]{1,0} slice(%p0_fused_slice), slice={[2:3], [0:1024]}
+  ROOT %b_fused_slice = f32[1024]{0} bitcast(%s_fused_slice)
+}
+
+%fused_update (p0: f32[1000,256], p1: f32[1,256], p2: s32[]) -> f32[1000,256] {
+  %p0_fused_update = f32[1000,256]{1,0} parameter(0)
+  %p1_fused_update = f32[1,256]{1,0} parameter(1)
+  %p2_fused_update = s32[] parameter(2)
+  %z_fused_update = s32[] constant(0)
+  ROOT %d_fused_update = f32[1000,256]{1,0} dynamic-update-slice(%p0_fused_update, %p1_fused_update, %p2_fused_update, %z_fused_update)
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a_add = f32[] parameter(0)
+  %b_add = f32[] parameter(1)
+  ROOT %c_add = f32[] add(%a_add, %b_add)
+}
+
+%fused_sum (p0: f32[4,1024]) -> f32[4] {
+  %p0_fused_sum = f32[4,1024]{1,0} parameter(0)
+  %z_fused_sum = f32[] constant(0)
+  ROOT %r_fused_sum = f32[4]{0} reduce(%p0_fused_sum, %z_fused_sum), dimensions={1}, to_apply=%add
+}
+
+%body (c: (s32[], f32[4,1024])) -> (s32[], f32[4,1024]) {
+  %c_body = (s32[], f32[4,1024]) parameter(0)
+  %x_body = f32[4,1024]{1,0} get-tuple-element(%c_body), index=1
+  %n_body = s32[] get-tuple-element(%c_body), index=0
+  %e_body = f32[4,1024]{1,0} fusion(%x_body), kind=kLoop, calls=%fused_exp
+  ROOT %t_body = (s32[], f32[4,1024]) tuple(%n_body, %e_body)
+}
+
+%fused_exp (p0: f32[4,1024]) -> f32[4,1024] {
+  %p0_fused_exp = f32[4,1024]{1,0} parameter(0)
+  ROOT %e_fused_exp = f32[4,1024]{1,0} exponential(%p0_fused_exp)
+}
+
+%cond (c: (s32[], f32[4,1024])) -> pred[] {
+  %c_cond = (s32[], f32[4,1024]) parameter(0)
+  ROOT %p_cond = pred[] constant(true)
+}
+
+ENTRY %main (a: bf16[64,32], b: bf16[32,128], x: f32[4,1024], big: f32[1000,256], u: f32[1,256], i: s32[]) -> f32[4] {
+  %a = bf16[64,32]{1,0} parameter(0)
+  %b = bf16[32,128]{1,0} parameter(1)
+  %x = f32[4,1024]{1,0} parameter(2)
+  %big = f32[1000,256]{1,0} parameter(3)
+  %u = f32[1,256]{1,0} parameter(4)
+  %i = s32[] parameter(5)
+  %gemm = bf16[64,128]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot, metadata={op_name="jit(step)/jvp(Wrapped.apply)/M/Dense_0/dot_general"}, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %row = f32[1024]{0} fusion(%x), kind=kLoop, calls=%fused_slice
+  %upd = f32[1000,256]{1,0} fusion(%big, %u, %i), kind=kLoop, calls=%fused_update, metadata={op_name="jit(step)/add"}
+  %sum = f32[4]{0} fusion(%x), kind=kInput, calls=%fused_sum, metadata={op_name="jit(step)/transpose(jvp())/reduce_sum"}
+  %c0 = s32[] constant(0)
+  %init = (s32[], f32[4,1024]) tuple(%c0, %x)
+  %loop = (s32[], f32[4,1024]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %copy = f32[4]{0} copy(%sum)
+  ROOT %r = f32[4]{0} bitcast(%copy)
+}"""
+
+
+def test_kernels_kinds_bytes_flops_and_loop_counts():
+    found = {k.name: k for k in kernels(hlo.parse(_PROGRAM))}
+    assert set(found) == {"gemm", "row", "upd", "sum", "e_body", "copy"}
+    gemm = found["gemm"]
+    assert (gemm.kind, gemm.dtype, gemm.flops) == ("gemm", "bf16", 2 * 64 * 128 * 32)
+    assert gemm.bytes == (64 * 32 + 32 * 128 + 64 * 128) * 2
+    assert found["row"].bytes == 1024 * 4 * 2  # reads one row of four, writes it
+    # an in-place update reads and writes the update, not the 1 MB buffer it lands in
+    assert found["upd"].bytes == 256 * 4 * 2 + 4
+    assert (found["sum"].kind, found["sum"].bytes) == ("reduction", 4 * 1024 * 4 + 4 * 4)
+    assert (found["e_body"].kind, found["e_body"].count) == (
+        "elementwise",
+        3,
+    )  # a loop body: 3 trips
+    assert found["copy"].kind == "copy" and found["copy"].flops == 0
+
+
+def test_estimate_is_a_roofline_per_kernel_plus_its_launch():
+    rates = timing.Rates(launch=5e-6, memory=0.5, matmul=0.5, attention=0.5)
+    est = timing.estimate(hlo.parse(_PROGRAM), H200, rates)
+    assert est.kernels == 8  # 5 in the entry, the loop body's fusion 3 times
+    per = {k.name: k for k in kernels(hlo.parse(_PROGRAM))}
+    want = sum(
+        (5e-6 + max(k.bytes / (H200.memory_bandwidth * 0.5), k.flops / (989.4e12 * 0.5))) * k.count
+        for k in per.values()
+    )
+    assert est.seconds == pytest.approx(want)
+    assert est.launch_seconds == pytest.approx(8 * 5e-6)
+    assert sum(n for n, _ in est.by_kind.values()) == 8
+    assert sum(s for _, s in est.by_kind.values()) == pytest.approx(est.seconds)
+    top = {k.name: k for k in est.top}
+    assert top["gemm"].path == "Dense_0" and not top["gemm"].backward
+    assert top["sum"].path == "(loss)" and top["upd"].path == "(update)"
+    assert top["row"].path == "(unnamed)"
+    assert est.top[0].seconds >= est.top[-1].seconds
+    text = "\n".join(est.lines())
+    assert "a model, not a measurement" in text and "8 kernel launches" in text
+    assert est.to_dict()["by_kind"]["elementwise"]["kernels"] == 5
+
+
+def test_estimate_rates_float32_gemms_at_the_tf32_rate():
+    heavy = timing.kernel_seconds  # one GEMM, compute-bound at both rates
+    from jamp.hlo.kernels import Kernel
+
+    rates = timing.Rates(launch=0.0, memory=1.0, matmul=1.0, attention=1.0)
+    bf16 = Kernel("g", "gemm", "Triton", "", 1, 10**12, "bf16")
+    f32 = Kernel("g", "gemm", "Triton", "", 1, 10**12, "f32")
+    assert heavy(f32, H200, rates)[0] == pytest.approx(2 * heavy(bf16, H200, rates)[0])
+    assert heavy(bf16, H200, rates) == (pytest.approx(1 / 989.4), "compute")
+
+
+# ----- real H200 programs
+
+
+def _experiments():
+    import pathlib
+    import sys
+
+    path = str(pathlib.Path(__file__).resolve().parents[1] / "experiments")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    import gpt2_variants
+
+    return gpt2_variants
+
+
+@needs_plugin
+def test_compile_report_estimate_counts_gemm_and_attention_flops():
+    variants = _experiments()
+    built = variants.build("lm_jamp_bf16", quick=True)
+    report = target_lib.compile_for(built.step, *built.abstract_args, target="h200")
+    found = kernels(hlo.parse(report.hlo_text))
+    est = report.estimate
+    assert est is not None and est.kernels == sum(k.count for k in found)
+    gemm_flops = sum(k.flops * k.count for k in found if k.kind == "gemm")
+    assert gemm_flops == sum(g.flops * g.count for g in report.gemms)
+    # cuDNN's causal attention, 2 layers: 2 GEMMs forward, 5 backward, half of each masked away.
+    shape, batch = variants.QUICK, 8
+    one = 2 * batch * shape["heads"] * shape["seq"] ** 2 * (shape["d"] // shape["heads"])
+    attention = [k for k in found if k.kind == "attention"]
+    assert len(attention) == 2 * shape["layers"]
+    assert sum(k.flops for k in attention) == shape["layers"] * (2 + 5) * one // 2
+    assert {k.dtype for k in attention} == {"bf16"}
+    table = report.table()
+    assert "predicted step time on one NVIDIA H200" in table and "not a measurement" in table
+    assert report.to_dict()["estimate"]["kernels"] == est.kernels
+
+
+STEP_SHAPE = dict(layers=8, d=256, heads=4, mlp=1024, seq=128, vocab=1024)
+
+
+@needs_plugin
+@pytest.mark.parametrize("family", ["lm", "llama"])
+def test_train_step_adds_at_most_5_percent_kernels_to_a_plain_step(family):
+    """jamp.make_train_step (finite check, per-module flags, grad norm, the skip, the loss scale
+    and counters) against value_and_grad + optax on the same wrapped model, H200 program: at
+    most 5 % more kernels, besides the gradients XLA writes out because the finite check reads
+    them before the update does (`shared_results`: a plain step's update fuses them in)."""
+    from jamp.grad_stats import SCOPE
+    from jamp.hlo.kernels import shared_results
+
+    variants = _experiments()
+    counts = {}
+    for kind in ("plain_bf16", "jamp_bf16"):
+        built = variants.build(f"{family}_{kind}", batch=4, shape=STEP_SHAPE)
+        report = target_lib.compile_for(built.step, *built.abstract_args, target="h200")
+        program = hlo.parse(report.hlo_text)
+        stats = [k for k in kernels(program) if f"/{SCOPE}/" in k.op_name]
+        counts[kind] = (report.estimate.kernels, len(shared_results(program, SCOPE)), len(stats))
+    plain, _, none = counts["plain_bf16"]
+    step, shared, stats = counts["jamp_bf16"]
+    assert none == 0
+    assert 0 < stats <= 12  # a few grouped reductions, not one or two per leaf (~100 leaves)
+    assert step - shared <= 1.05 * plain, counts
