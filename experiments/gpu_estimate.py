@@ -94,8 +94,8 @@ def fit(found: dict, gpu):
 
 
 def calibrate(measured_dir: pathlib.Path, now_dir: pathlib.Path) -> None:
-    from jamp.inspect.timing import estimate
     from jamp.hlo.text import parse
+    from jamp.inspect.timing import estimate
     from jamp.target import GPUS
 
     gpu = GPUS["h200"]
