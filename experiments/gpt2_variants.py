@@ -40,6 +40,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from peers_flax import HandLM  # noqa: E402
 
 import jamp  # noqa: E402
+from jamp import hardware  # noqa: E402
 from jamp.models.llama import LlamaLM  # noqa: E402
 from jamp.models.transformer import TransformerLM  # noqa: E402
 
@@ -75,9 +76,13 @@ class Built:
 
 
 def _cudnn_attention(query, key, value, bias=None, mask=None, **_):
-    """Flax's attention_fn signature as cuDNN's fused kernel (causal, as the mask is)."""
+    """Flax's attention_fn signature as cuDNN's fused kernel (causal, as the mask is); XLA's
+    form where the step is traced for a CPU (a dry run)."""
     del bias, mask
-    return jax.nn.dot_product_attention(query, key, value, is_causal=True, implementation="cudnn")
+    cudnn = hardware.target_platform() == "gpu"
+    return jax.nn.dot_product_attention(
+        query, key, value, is_causal=True, implementation="cudnn" if cudnn else None
+    )
 
 
 def _hf_module(shape, dtype):

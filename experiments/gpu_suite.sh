@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The benchmark suite on a GPU, in one command that ends inside 8 minutes.
+# The GPT-2-small table on one GPU, in one command that ends inside 5 minutes (gpu_suite.py).
 #
 #   bash experiments/gpu_suite.sh            # on a machine with a CUDA jax, flax and optax
 #
-# Writes experiments/results/<gpu>-x<count>.md and .png (and copies both to $OUT when that is set,
-# as on a lent device machine). jamp runs from this checkout (no install); a missing pure-Python
-# dependency (jmp, ml-collections) can be carried as wheels in .whl/, made on a machine with pip:
-#   python3 -m pip download --no-deps --only-binary=:all: -d .whl jmp==0.0.4
-# What it measures: experiments/suite.py's docstring. On a GPU the fp32 baseline is TF32
-# (float32) and true fp32 (float32_highest) side by side, a GPT-2-small-sized LM at sequence 1024
-# joins the workloads, and MFU is reported against the chip's dense peak. The PyTorch peer is
-# CPU-only and left out here.
+# Writes gpu_suite.md, gpu_suite_rows.jsonl, gpu_suite_kernels.md and gpu_suite.log into $OUT
+# (a lent device machine's folder that comes back) or experiments/results/gpu_suite/, each time a
+# row lands. jamp runs from this checkout (no install). What the loaned image lacks travels as
+# wheels in .whl/ (the device README's recipe): transformers 4.57.6 (the last with Flax classes),
+# tokenizers 0.22.1, huggingface_hub 0.36.0, jmp 0.0.4 (and ml-collections where needed):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_17_x86_64 -d .whl transformers==4.57.6 ...
+# The expected wall time on one H200: about 3 minutes (8 rows, 4 compiling at once at 17-40 s
+# each, then ~2 s of timing each under a lock; the torch.compile row ~40 s to its first step).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -21,9 +22,6 @@ fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 python3 -c "import jax; assert jax.default_backend() == 'gpu', 'no GPU: ' + jax.default_backend()"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-# 470 s for the suite leaves room inside 8 minutes for start-up and the copy.
-timeout 470 python3 experiments/suite.py --no-torch "$@"
-if [ -n "${OUT:-}" ]; then
-  stem=$(python3 -c "import sys; sys.path.insert(0, 'experiments'); from _xla import machine_name; print(machine_name())")
-  cp "experiments/results/$stem.md" "$OUT/" && cp "experiments/results/$stem.png" "$OUT/" || true
-fi
+out="${OUT:-experiments/results/gpu_suite}"
+# 270 s for the rows leaves room inside 5 minutes for start-up and the copy back.
+python3 experiments/gpu_suite.py --out "$out" --deadline 270 "$@"

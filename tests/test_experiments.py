@@ -131,3 +131,29 @@ def test_bench_fp8_builds_its_variants_and_reads_gemm_operand_types():
     )
     assert bench_fp8.gemm_counts(hlo) == {"gemm f8e4m3fnxf8e4m3fn (__cublas$lt$matmul$f8)": 1}
     assert bench_fp8.widths(on_gpu=True, quick=False)[0][0] == "GPT-2 small 12 x 768"
+
+
+@pytest.mark.program
+def test_gpu_suite_dry_run_writes_each_row_and_the_kernel_table(tmp_path):
+    """The GPU suite end to end on this CPU with tiny shapes (two rows; the experiment's own run
+    is all of them on a GPU): every row timed in its own process, the table, the JSON lines and
+    the profiled row's kernel table written."""
+    import json
+
+    cmd = [sys.executable, str(EXPERIMENTS / "gpu_suite.py"), "--quick", "--out", str(tmp_path)]
+    cmd += ["--rows", "lm_jamp_bf16", "lm_fp32", "--deadline", "300"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=cli_env())
+    assert done.returncode == 0, (
+        done.stdout + done.stderr + (tmp_path / "gpu_suite.log").read_text()
+    )
+    rows = [
+        json.loads(line) for line in (tmp_path / "gpu_suite_rows.jsonl").read_text().splitlines()
+    ]
+    assert {r["row"] for r in rows} == {"lm_jamp_bf16", "lm_fp32"}
+    for r in rows:
+        assert r["step_ms"] > 0 and r["kernels"] > 0 and r["predicted_ms"] > 0
+        assert r["loss_first_last"][1] < r["loss_first_last"][0]
+    table = (tmp_path / "gpu_suite.md").read_text()
+    assert "jamp.wrap mixed_bfloat16 + make_train_step" in table and "not a measurement" in table
+    kernels = (tmp_path / "gpu_suite_kernels.md").read_text()
+    assert kernels.count("\n|") >= 10  # header and the costliest kernels
