@@ -8,7 +8,9 @@ The public API, all documented in the README:
   module (`split`, `Functional`, `FP32_MODULES`);
 * loss scales: `NoOpLossScale`, `StaticLossScale`, `DynamicLossScale`, `loss_scale_for`,
   `all_finite`, `finite_by_group`, `select_tree`;
-* training: `TrainState`, `make_train_step`, `make_eval_step`;
+* training: `TrainState`, `make_train_step`, `make_eval_step`; the `jamp.losses` module
+  (`softmax_cross_entropy_with_integer_labels`: optax's, with a fused backward that keeps no
+  float32 copy of 16-bit logits);
 * past float32 master weights: the `jamp.rounding` module (`stochastic_round`, `round_tree`:
   bfloat16 params, which the step updates in float32 and rounds stochastically) and the
   `jamp.lowbit` module (`bf16_state`, `int8_state`: optax optimizer state in 16 or 8 bits;
@@ -28,7 +30,18 @@ The public API, all documented in the README:
   `Target`, `GPUS`, `TargetUnavailable`).
 """
 
-from jamp import adaptive, fp8, hardware, lowbit, nnx, parallel, rounding, sharding, target
+from jamp import (
+    adaptive,
+    fp8,
+    hardware,
+    losses,
+    lowbit,
+    nnx,
+    parallel,
+    rounding,
+    sharding,
+    target,
+)
 from jamp import jax_compat as _jax_compat
 from jamp.autocast import autocast
 from jamp.jax_compat import UnsupportedProgramError
@@ -71,6 +84,7 @@ __all__ = [
     "get_policy",
     "hardware",
     "loss_scale_for",
+    "losses",
     "lowbit",
     "make_eval_step",
     "make_train_step",

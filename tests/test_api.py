@@ -12,6 +12,7 @@ JAMP = pathlib.Path(jamp.__file__).parent
 # What the README documents: adding a name here means documenting it there.
 PUBLIC = {
     "adaptive",
+    "losses",
     "lowbit",
     "rounding",
     "compile_for",
@@ -54,6 +55,7 @@ RANK = {
     "scopes": -2,  # the NNX call scopes: names, read by fp8, nnx and inspect
     "rounding": -1,  # stochastic rounding, beneath the step and lowbit
     "lowbit": -0.5,  # low-bit optimizer state: beneath placement, which places and counts it
+    "losses": 0,  # a loss with its own backward: beneath everything that trains
     "grad_stats": 0.5,  # one pass over the gradients: beneath loss_scale and the step
     "loss_scale": 1,
     "engine": 0.9,  # the interpreter beneath autocast, wrap and nnx
