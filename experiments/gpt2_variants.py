@@ -7,6 +7,8 @@ the logits cast to float32):
   lm_fp32           jamp's TransformerLM (12 x 768, 12 heads, vocab 50304), float32 (TF32 on a
                     GPU: JAX's default precision), a plain value_and_grad + optax step
   lm_jamp_bf16      the same model, jamp.wrap(model, "mixed_bfloat16") + jamp.make_train_step
+  lm_jamp_bf16_losses
+                    the same with jamp.losses' cross-entropy (no float32 copy of the logits)
   lm_jamp_f16       jamp.wrap(model, "mixed_float16") + make_train_step, dynamic loss scale
   lm_hand_bf16      the same network written by hand in bf16 Flax (peers_flax.HandLM) with
                     jax.nn.dot_product_attention(implementation="cudnn"), a plain step
@@ -49,6 +51,7 @@ QUICK = dict(layers=2, d=64, heads=4, mlp=256, seq=64, vocab=512)
 VARIANTS = (
     "lm_fp32",
     "lm_jamp_bf16",
+    "lm_jamp_bf16_losses",
     "lm_jamp_f16",
     "lm_hand_bf16",
     "lm_plain_bf16",
@@ -159,6 +162,10 @@ def _loss(logits, tokens):
     ).mean()
 
 
+def _jamp_loss(logits, tokens):
+    return jamp.losses.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
 def build(name: str, batch: int = 8, quick: bool = False, shape: dict | None = None) -> Built:
     """The variant `name` (see the module docstring) at `batch` sequences, GPT-2 small's shape
     (QUICK's with `quick`, or `shape`: layers, d, heads, mlp, seq, vocab)."""
@@ -166,6 +173,8 @@ def build(name: str, batch: int = 8, quick: bool = False, shape: dict | None = N
         raise ValueError(f"unknown variant {name!r}; variants: {', '.join(VARIANTS)}")
     shape = shape or (QUICK if quick else GPT2)
     family, kind = name.split("_", 1)
+    loss_of = _jamp_loss if kind.endswith("_losses") else _loss
+    kind = kind.removesuffix("_losses")
     policy = {"jamp_bf16": "mixed_bfloat16", "jamp_f16": "mixed_float16"}.get(kind)
     wrap_policy = policy or ("mixed_bfloat16" if kind == "plain_bf16" else None)
     if family == "lm" and kind == "hand_bf16":
@@ -194,7 +203,7 @@ def build(name: str, batch: int = 8, quick: bool = False, shape: dict | None = N
         def loss_fn(params, model_state, batch_, rng):
             del rng
             toks = batch_["tokens"]
-            return _loss(logits_of(params, toks[:, :-1]), toks), (model_state, {})
+            return loss_of(logits_of(params, toks[:, :-1]), toks), (model_state, {})
 
         loss_scale = jamp.loss_scale_for(policy)
         step = jax.jit(jamp.make_train_step(loss_fn, tx), donate_argnums=(0,))
@@ -241,7 +250,7 @@ def model_flops(params: int, shape: dict, batch: int) -> float:
 
 def next_state(name: str, args: tuple, out: Any) -> tuple:
     """The arguments of the next step, from this step's outputs (the state is donated)."""
-    if name.split("_", 1)[1] in ("jamp_bf16", "jamp_f16"):
+    if "_jamp_" in name:
         return (out[0], args[1], args[2])
     return (out[0], out[1], args[2])
 

@@ -13,6 +13,13 @@ peak; no speed):
    dtype, the largest global batch that fits.
 3. NNX models, ours and one nobody here wrote (Tunix's Llama 3), wrapped under mixed_bfloat16
    against each model's own bf16 build (experiments/gpu_compile_models.py).
+5. The train step's own cost (`--part step_cost`): for jamp's TransformerLM at GPT-2-small size,
+   Hugging Face's Flax GPT-2 and the Llama-style decoder (experiments/gpt2_variants.py), the
+   kernels of jamp's step against a plain value_and_grad + optax step of the same wrapped model,
+   the gradients XLA writes out because the finite check reads them beside the update, and the
+   step time jamp.inspect.timing predicts (a model, not a measurement); with `--before DIR`,
+   the same of the programs in DIR (<variant>.hlo from gpu_estimate.py --dump at an earlier
+   commit). And where the predicted time of the jamp bf16 step goes, by kind of work.
 4. Past float32 master weights: the deepest decoder of Llama-2-70B's widths that fits on 8 H200s
    under fsdp=8 (seq 512, one sequence per device, layers rematerialized keeping their matmuls'
    outputs) with fp32 master weights and Adam, with bf16 params and bf16 Adam moments, with bf16
@@ -32,6 +39,7 @@ experiments/results/gpu_compile_h200.md and .png (quick: under --out).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import pathlib
 import sys
@@ -348,11 +356,104 @@ def master_weights_part(
     return rows
 
 
+STEP_COST_ROWS = (
+    ("lm", "jamp's TransformerLM"),
+    ("hf", "Hugging Face Flax GPT-2"),
+    ("llama", "LlamaLM (12 x 768, 4 kv heads)"),
+)
+
+
+def _category(kernel) -> str:
+    """Where a kernel's time goes, by the kind of work its op name says it does."""
+    from jamp.grad_stats import SCOPE
+    from jamp.inspect._paths import op_name_path
+
+    o = kernel.op_name
+    if kernel.kind == "gemm":
+        head = any(h in o for h in ("Embed_0.attend", "lm_head", "wte"))
+        return "GEMMs: output head (logits)" if head else "GEMMs: layers"
+    if kernel.kind == "attention":
+        return "attention (cuDNN)"
+    if f"/{SCOPE}/" in o:
+        return "step: gradient norm and finite check"
+    path, backward = op_name_path(o) if o else ("", False)
+    if not path:
+        if "jvp(" in o:
+            return "loss over the vocabulary (forward and backward)"
+        return "optimizer update, skip select, counters" if o else "unnamed (XLA's copies)"
+    if "norm" in path.lower() or "ln_" in path:
+        return "layer norms"
+    if "convert_element_type" in o and not backward:
+        return "casts (params and activations to 16 bits)"
+    return f"other elementwise in the model ({'backward' if backward else 'forward'})"
+
+
+def _cost_row(label, variant, program_text, batch=8, compile_s=0.0, memory=None):
+    from jamp import hlo
+    from jamp.grad_stats import SCOPE
+    from jamp.hlo.kernels import kernels, shared_results
+    from jamp.inspect import timing
+    from jamp.target import GPUS
+
+    program = hlo.parse(program_text)
+    est = timing.estimate(program, GPUS["h200"])
+    found = kernels(program)
+    categories: dict[str, list] = {}
+    for k in found:
+        entry = categories.setdefault(_category(k), [0, 0.0])
+        entry[0] += k.count
+        entry[1] += timing.kernel_seconds(k, GPUS["h200"])[0] * k.count
+    return {
+        "label": label,
+        "variant": variant,
+        "batch": batch,
+        "temp": memory.temporaries if memory else 0,
+        "peak": memory.peak if memory else 0,
+        "compile_s": round(compile_s, 1),
+        "kernels": est.kernels,
+        "shared": len(shared_results(program, SCOPE)),
+        "stats_kernels": sum(k.count for k in found if f"/{SCOPE}/" in k.op_name),
+        "predicted_ms": est.seconds * 1e3,
+        "categories": {k: {"kernels": n, "ms": t * 1e3} for k, (n, t) in categories.items()},
+    }
+
+
+def step_cost_part(quick: bool, log, only=None, before=None) -> list[dict]:
+    import gpt2_variants
+
+    rows = []
+    variants = [(f, f"{f}_{k}") for f, _ in STEP_COST_ROWS for k in ("plain_bf16", "jamp_bf16")]
+    variants += [("lm", "lm_jamp_bf16_losses"), ("lm", "lm_hand_bf16")]
+    names = dict(STEP_COST_ROWS)
+    for family, variant in variants:
+        if family == "hf" and importlib.util.find_spec("transformers") is None:
+            print(f"{variant}: skipped (transformers < 5 is not installed)", flush=True)
+            continue
+        built = gpt2_variants.build(variant, batch=8, quick=quick)
+        report = compile_for(built.step, *built.abstract_args, target="h200")
+        row = _cost_row(
+            f"{names[family]}: {variant.split('_', 1)[1]}",
+            variant,
+            report.hlo_text,
+            compile_s=report.compile_seconds,
+            memory=report.memory,
+        )
+        rows.append(row)
+        log([row])
+        old = pathlib.Path(before) / f"{variant}.hlo" if before else None
+        if old is not None and old.exists():
+            rows.append(
+                {**_cost_row(row["label"] + " (before)", variant, old.read_text()), "before": True}
+            )
+    return rows
+
+
 PARTS = {
     "gpt2": gpt2_part,
     "decoders": decoder_part,
     "models": models_part,
     "master_weights": master_weights_part,
+    "step_cost": step_cost_part,
 }
 
 
@@ -388,6 +489,12 @@ def main(argv=None):
         help="master_weights: only the variants whose label holds this (e.g. '8-bit'); run "
         "apart, write each to its own --out",
     )
+    parser.add_argument(
+        "--before",
+        default="",
+        help="step_cost: a directory of <variant>.hlo (gpu_estimate.py --dump at an earlier "
+        "commit) to report beside this tree's programs",
+    )
     parser.add_argument("--out", default=str(RESULTS / "gpu_compile_h200"))
     parser.add_argument(
         "--policy",
@@ -416,6 +523,8 @@ def main(argv=None):
         if args.part in (part, "all"):
             started = time.time()
             more = {}
+            if part == "step_cost":
+                more = {"before": args.before}
             if part == "master_weights":
                 more = {
                     "max_compiles": args.max_compiles,

@@ -165,6 +165,7 @@ def run_record(command: str, seconds: float) -> dict:
 
 
 _TITLES = {
+    "step_cost": "the train step's own cost",
     "gpt2": "GPT-2 small",
     "decoders": "decoders",
     "models": "NNX models",
@@ -216,6 +217,45 @@ def _runs(results) -> list[str]:
     return lines + [""] if lines else []
 
 
+def _step_cost_tables(rows) -> list[str]:
+    def key(r):  # the plain step of the same model at the same commit
+        return r["variant"].split("_")[0], bool(r.get("before"))
+
+    plain = {key(r): r for r in rows if "plain" in r["variant"]}
+    lines = [
+        "| step | kernels | vs plain step | gradients written for the check | besides them "
+        "| norm + finite kernels | predicted ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        base = plain.get(key(r))
+        ratio = f"{r['kernels'] / base['kernels']:.3f}x" if base else "-"
+        rest = f"{(r['kernels'] - r['shared']) / base['kernels']:.3f}x" if base else "-"
+        if r.get("before"):  # its checks had no name scope to find them by
+            shared = rest = stats = "-"
+        else:
+            shared, stats = r["shared"], r["stats_kernels"]
+        lines.append(
+            f"| {r['label']} | {r['kernels']} | {ratio} | {shared} | {rest} "
+            f"| {stats} | {r['predicted_ms']:.2f} |"
+        )
+    jamp = next((r for r in rows if r["variant"] == "lm_jamp_bf16" and not r.get("before")), None)
+    if jamp:
+        lines += [
+            "",
+            f"Where the predicted {jamp['predicted_ms']:.2f} ms of jamp's bf16 GPT-2-small step "
+            "go (the loss written with optax):",
+            "",
+            "| work | kernels | predicted ms | share |",
+            "|---|---|---|---|",
+        ]
+        for name, c in sorted(jamp["categories"].items(), key=lambda kv: -kv[1]["ms"]):
+            lines.append(
+                f"| {name} | {c['kernels']} | {c['ms']:.2f} | {c['ms'] / jamp['predicted_ms']:.0%} |"
+            )
+    return lines
+
+
 def write(results, out: pathlib.Path, *, fraction: float, target):
     lines = [
         "# jamp's steps compiled for the H200 on a CPU (experiments/gpu_compile.py)",
@@ -257,6 +297,22 @@ def write(results, out: pathlib.Path, *, fraction: float, target):
             "",
         ]
         lines += _gpt2_table(results["models"]) + [""]
+    if results.get("step_cost"):
+        lines += [
+            "## The train step's own cost: kernels and predicted time on one H200, batch 8",
+            "",
+            "GPT-2-small widths (Llama: 12 x 768, MLP 2048, 4 kv heads, vocab 32000), "
+            "`mixed_bfloat16`, AdamW, the loss written with optax (jamp.losses where the row "
+            "says so). Kernels: launches per step of the H200 program. Plain step: "
+            "`jax.value_and_grad` + `optax.adamw` on the same wrapped model. Gradients written "
+            "for the check: loop fusions XLA writes out because both the finite check and the "
+            "update read them (a plain step's update fuses them in). Predicted: "
+            "jamp.inspect.timing's model of the program, calibrated on three measured H200 "
+            "steps (a model, not a measurement). '(before)': the same program at the earlier "
+            "commit named in the run record.",
+            "",
+        ]
+        lines += _step_cost_tables(results["step_cost"]) + [""]
     if results.get("master_weights"):
         lines += [
             "## Past float32 master weights: the deepest model that fits on 8 x H200 (fsdp=8)",

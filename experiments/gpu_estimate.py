@@ -124,7 +124,55 @@ def calibrate(measured_dir: pathlib.Path, now_dir: pathlib.Path) -> None:
     result = {"rates": rates.__dict__, "fixed": FIXED, "calibration": rows, "variants": variants}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "gpu_estimate_h200.json").write_text(json.dumps(result, indent=1, default=str))
+    (RESULTS / "gpu_estimate_h200.md").write_text(_markdown(result))
     print(json.dumps({"rates": rates.__dict__, "calibration": rows}, indent=1))
+
+
+def _markdown(result) -> str:
+    from gpu_compile_report import run_record
+
+    run = run_record(" ".join(["python experiments/gpu_estimate.py", *sys.argv[1:]]), 0)
+    r = result["rates"]
+    lines = [
+        "# The step-time model of jamp.compile_for, calibrated on one H200",
+        "",
+        f"Compiled for an H200 on {run['machine']}, {run['date']}; {run['versions']}. "
+        "The model (jamp.inspect.timing) is a model, not a measurement: per kernel of the "
+        "optimized program, launch + max(bytes / (4.8 TB/s x memory), FLOPs / (peak x share)), "
+        "float32 GEMMs at the TF32 rate.",
+        "",
+        f"Fitted: launch {r['launch'] * 1e6:.1f} us, GEMM share {r['matmul']:.2f}; held: memory "
+        f"share {r['memory']:.2f}, attention share {r['attention']:.2f}.",
+        "",
+        "## Calibration: the three JAX rows measured on one H200 (research/gpu_h200.md)",
+        "",
+        "Hugging Face Flax GPT-2 small, batch 8 x 1024, AdamW; measured with jax 0.11.2 (the "
+        "jamp row at 63141af, its program dumped from a worktree of that commit).",
+        "",
+        "| step | measured ms | predicted ms | error |",
+        "|---|---|---|---|",
+    ]
+    for c in result["calibration"]:
+        lines.append(
+            f"| {c['variant']} | {c['measured_ms']:.2f} | {c['predicted_ms']:.2f} "
+            f"| {c['error']:+.1%} |"
+        )
+    lines += [
+        "",
+        "## This tree's GPT-2-small variants (experiments/gpt2_variants.py), predicted",
+        "",
+        "| variant | predicted ms | kernels | of it launches ms | GEMM ms | attention ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for v in result["variants"]:
+        kinds = v["by_kind"]
+        gemm = kinds.get("gemm", {}).get("seconds", 0) * 1e3
+        attention = kinds.get("attention", {}).get("seconds", 0) * 1e3
+        lines.append(
+            f"| {v['variant']} | {v['seconds'] * 1e3:.2f} | {v['kernels']} "
+            f"| {v['launch_seconds'] * 1e3:.2f} | {gemm:.2f} | {attention:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None):

@@ -5,7 +5,7 @@
 
 Rows (experiments/gpt2_variants.py; batch 8 x 1024, AdamW, next-token loss, random tokens):
 jamp mixed_bfloat16, float32 (TF32: JAX's default precision on NVIDIA GPUs), the hand-written
-bf16 network with cuDNN attention, jamp mixed_float16 (dynamic loss scale), Hugging Face's Flax
+bf16 network with cuDNN attention, jamp bf16 with jamp.losses' cross-entropy, jamp mixed_float16 (dynamic loss scale), Hugging Face's Flax
 GPT-2 wrapped in mixed_bfloat16 (transformers < 5), and PyTorch's GPT-2 (Hugging Face's) under
 torch.autocast(bfloat16) + torch.compile as the peer (gpu_suite_torch.py); then the jamp bf16
 step again under other XLA settings (command buffers off, cuBLAS GEMMs instead of Triton).
@@ -43,6 +43,12 @@ sys.path.insert(0, str(HERE.parent))
 #: (row, variant of gpt2_variants or "torch", XLA flags, label), in the order they start.
 ROWS = (
     ("lm_jamp_bf16", "lm_jamp_bf16", "", "jamp.wrap mixed_bfloat16 + make_train_step"),
+    (
+        "lm_jamp_bf16_losses",
+        "lm_jamp_bf16_losses",
+        "",
+        "the same, loss by jamp.losses (no float32 logits)",
+    ),
     ("lm_fp32", "lm_fp32", "", "float32 (TF32), plain value_and_grad + optax"),
     ("lm_hand_bf16", "lm_hand_bf16", "", "hand-written bf16 Flax, cuDNN attention, plain step"),
     ("torch_compile_bf16", "torch", "", "PyTorch GPT-2, torch.autocast(bf16) + torch.compile"),
@@ -362,7 +368,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=pathlib.Path, default=HERE / "results" / "gpu_suite")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: the CPU dry run")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--parallel", type=int, default=4, help="rows compiling at once")
+    parser.add_argument("--parallel", type=int, default=5, help="rows compiling at once")
     parser.add_argument("--deadline", type=float, default=270.0, help="seconds for all rows")
     parser.add_argument("--rows", nargs="*", help="only these rows")
     parser.add_argument("--no-profile", action="store_true")
