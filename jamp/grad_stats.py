@@ -7,8 +7,9 @@ for each), that is one or two reductions per leaf, and XLA:GPU makes each a kern
 two for a large leaf (it splits a long reduction in two passes): ~370 extra kernels in a
 GPT-2-small step of ~200 leaves, ~40 % over the plain step's, each costing its launch.
 
-Here leaves of the same size and dtype are stacked, flattened, into one array, and one variadic
-reduction over its rows gives, per leaf, the sum of squares and the sum of `g * 0` (0 where every
+Here leaves of the same shape and dtype are stacked into one array (not flattened: a flattened
+shard of a column-sharded weight is no shard of the flat array, and XLA would move it between
+devices to stack it), and one reduction over all but the stacking axes gives, per leaf, the sum of squares and the sum of `g * 0` (0 where every
 element is finite, NaN otherwise: `0 * inf` and `0 * nan` are NaN, which a sum keeps). XLA fuses
 the stacking into the reduction, so nothing is copied: a model's ~200 leaves come to ~10 groups,
 ~15 kernels. The per-module flags and the global verdict come from those per-leaf results.
@@ -78,28 +79,31 @@ def group_names(paths: list[tuple[str, ...]], depth: int) -> list[str]:
 
 
 def _sums(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per row of a 2-D array: (sum of squares, sum of x * 0), in float32, one reduction."""
+    """Per entry of the first axis: (sum of squares, sum of x * 0) over the other axes, in
+    float32, one reduction (of the two stacked: a variadic reduction, which XLA's partitioner
+    gathers across devices instead of summing, would cost a collective per group)."""
     x = rows.astype(jnp.float32)
-    zero = jnp.zeros((), jnp.float32)
-    return jax.lax.reduce(
-        (x * x, x * zero), (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]), (1,)
-    )
+    pair = jnp.stack([x * x, x * jnp.zeros((), jnp.float32)])
+    sums = jnp.sum(pair, axis=tuple(range(2, pair.ndim)))
+    return sums[0], sums[1]
 
 
 def leaf_sums(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
     """Per leaf, in leaf order: (sum of squares, 0 if every element is finite else NaN), both
-    float32 vectors of len(leaves). Leaves of one size and dtype are reduced together."""
+    float32 vectors of len(leaves). Leaves of one shape and dtype are stacked (never reshaped:
+    a sharded leaf keeps its sharding in the stack, so the sums need no collective but the
+    final one) and reduced together."""
     if not leaves:
         empty = jnp.zeros((0,), jnp.float32)
         return empty, empty
-    groups: dict[tuple[int, str], list[int]] = {}
+    groups: dict[tuple, list[int]] = {}
     for i, leaf in enumerate(leaves):
-        groups.setdefault((int(np.size(leaf)), str(leaf.dtype)), []).append(i)
+        groups.setdefault((tuple(np.shape(leaf)), str(leaf.dtype)), []).append(i)
     squares, zeros, order = [], [], []
     for indices in groups.values():
         for start in range(0, len(indices), _GROUP):
             chunk = indices[start : start + _GROUP]
-            sq, z = _sums(jnp.stack([jnp.reshape(leaves[i], (-1,)) for i in chunk]))
+            sq, z = _sums(jnp.stack([leaves[i] for i in chunk]))
             squares.append(sq)
             zeros.append(z)
             order.extend(chunk)

@@ -101,7 +101,7 @@ def test_docs_site_builds_with_no_warning(tmp_path):
     import jamp
 
     api = (html / "api" / "jamp.html").read_text()
-    modules = {"adaptive", "fp8", "hardware", "lowbit", "nnx", "parallel", "rounding"}
+    modules = {"adaptive", "fp8", "hardware", "losses", "lowbit", "nnx", "parallel", "rounding"}
     modules |= {"sharding", "target"}
     for name in sorted(set(jamp.__all__) - modules):
         assert f'id="jamp.{name}"' in api, name
