@@ -533,6 +533,11 @@ def main(argv=None):
                 }
             rows = run(args.quick, log, args.policy, **more)
             record = run_record(command, time.time() - started)
+            if part == "step_cost" and args.before:
+                record["note"] = (
+                    f"'(before)' rows: the programs in {args.before}, dumped by "
+                    "`python experiments/gpu_estimate.py --dump` at an earlier commit"
+                )
             if args.policy:
                 if not rows:
                     continue

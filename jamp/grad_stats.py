@@ -9,10 +9,11 @@ GPT-2-small step of ~200 leaves, ~40 % over the plain step's, each costing its l
 
 Here leaves of the same shape and dtype are stacked into one array (not flattened: a flattened
 shard of a column-sharded weight is no shard of the flat array, and XLA would move it between
-devices to stack it), and one reduction over all but the stacking axes gives, per leaf, the sum of squares and the sum of `g * 0` (0 where every
-element is finite, NaN otherwise: `0 * inf` and `0 * nan` are NaN, which a sum keeps). XLA fuses
-the stacking into the reduction, so nothing is copied: a model's ~200 leaves come to ~10 groups,
-~15 kernels. The per-module flags and the global verdict come from those per-leaf results.
+devices to stack it), and one reduction over all but the stacking axes gives, per leaf, the sum
+of squares and the sum of `g * 0` (0 where every element is finite, NaN otherwise: `0 * inf` and
+`0 * nan` are NaN, which a sum keeps). XLA fuses the stacking into the reduction, so nothing is
+copied: a model's ~200 leaves come to a dozen shapes, ~20 kernels. The per-module flags and the
+global verdict come from those per-leaf results.
 
 Example::
 
