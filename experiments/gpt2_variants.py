@@ -88,53 +88,46 @@ def _cudnn_attention(query, key, value, bias=None, mask=None, **_):
     )
 
 
-def _hf_module(shape, dtype):
-    from transformers import FlaxGPT2LMHeadModel, GPT2Config
+def hf_config(shape: dict, **extra):
+    """Hugging Face's GPT2Config of a shape (the Flax and the PyTorch models take the same)."""
+    from transformers import GPT2Config
 
-    config = GPT2Config(
+    return GPT2Config(
         vocab_size=shape["vocab"],
         n_positions=shape["seq"],
         n_embd=shape["d"],
         n_layer=shape["layers"],
         n_head=shape["heads"],
         n_inner=shape["mlp"],
+        **extra,
     )
-    return FlaxGPT2LMHeadModel(config, input_shape=(1, 8), dtype=dtype, _do_init=False).module
 
 
 def _model(family: str, shape, dtype=jnp.float32):
+    if family == "hf":
+        from transformers import FlaxGPT2LMHeadModel
+
+        config = hf_config(shape)
+        return FlaxGPT2LMHeadModel(config, input_shape=(1, 8), dtype=dtype, _do_init=False).module
+    common = dict(num_layers=shape["layers"], d_model=shape["d"], num_heads=shape["heads"])
+    common["max_len"] = shape["seq"]
     if family == "lm":
-        return TransformerLM(
-            vocab_size=shape["vocab"],
-            num_layers=shape["layers"],
-            d_model=shape["d"],
-            num_heads=shape["heads"],
-            mlp_dim=shape["mlp"],
-            max_len=shape["seq"],
-        )
+        return TransformerLM(vocab_size=shape["vocab"], mlp_dim=shape["mlp"], **common)
     if family == "hand":
         return HandLM(
             vocab_size=shape["vocab"],
             dtype=dtype,
-            num_layers=shape["layers"],
-            d_model=shape["d"],
-            num_heads=shape["heads"],
             mlp_dim=shape["mlp"],
-            max_len=shape["seq"],
             attention_fn=_cudnn_attention,
+            **common,
         )
-    if family == "llama":
+    if family == "llama":  # 4 kv heads of 12; an MLP of 2/3 the width (SwiGLU has three)
         return LlamaLM(
             vocab_size=min(shape["vocab"], 32000),
-            num_layers=shape["layers"],
-            d_model=shape["d"],
-            num_heads=shape["heads"],
             num_kv_heads=max(1, shape["heads"] // 3),
             mlp_dim=shape["mlp"] * 2 // 3,
-            max_len=shape["seq"],
+            **common,
         )
-    if family == "hf":
-        return _hf_module(shape, dtype)
     raise ValueError(family)
 
 

@@ -15,7 +15,7 @@ def row(args, timed) -> dict:
     import gpt2_variants
     import torch
     import torch.nn.functional as F
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     shape = gpt2_variants.QUICK if args.quick else gpt2_variants.GPT2
     cuda = torch.cuda.is_available()
@@ -24,15 +24,7 @@ def row(args, timed) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=shape["vocab"],
-        n_positions=shape["seq"],
-        n_embd=shape["d"],
-        n_layer=shape["layers"],
-        n_head=shape["heads"],
-        n_inner=shape["mlp"],
-        attn_implementation="sdpa",
-    )
+    config = gpt2_variants.hf_config(shape, attn_implementation="sdpa")
     model = GPT2LMHeadModel(config).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=gpt2_variants.LR, fused=cuda)
     tokens = torch.randint(0, shape["vocab"] // 2, (args.batch, shape["seq"] + 1), device=device)

@@ -59,16 +59,19 @@ _NO_KERNEL = frozenset(
         "domain",
     }
 )
-_COLLECTIVE_OPS = (
-    "all-gather",
-    "all-reduce",
-    "reduce-scatter",
-    "all-to-all",
-    "ragged-all-to-all",
-    "collective-permute",
-    "collective-broadcast",
-    "send",
-    "recv",
+#: HLO's collective opcodes (an async one's `-start` names its kind).
+COLLECTIVE_OPS = frozenset(
+    {
+        "all-gather",
+        "all-reduce",
+        "reduce-scatter",
+        "all-to-all",
+        "ragged-all-to-all",
+        "collective-permute",
+        "collective-broadcast",
+        "send",
+        "recv",
+    }
 )
 _SLICES = frozenset({"slice", "dynamic-slice"})
 _VIEWS = frozenset({"bitcast", "reshape"})
@@ -200,7 +203,7 @@ def _kind(inst: Instruction, gemm: Optional[Gemm]) -> tuple[str, str]:
             return "attention", target
         return "other", target
     base = op.removesuffix("-start")
-    if base in _COLLECTIVE_OPS or op.startswith("async"):
+    if base in COLLECTIVE_OPS or op.startswith("async"):
         return "collective", op
     if op == "fusion":
         kind = inst.fusion_kind
@@ -241,10 +244,11 @@ def _kernel_computations(program: Program) -> dict[str, int]:
     return out
 
 
-def kernels(program: Program) -> list[Kernel]:
+def kernels(program: Program, found_gemms: Optional[list[Gemm]] = None) -> list[Kernel]:
     """Every kernel launch of a compiled program, in program order (a loop body's once, with its
-    `count`). A conditional's branches are all listed, as if each ran."""
-    by_gemm = {g.name: g for g in gemms(program)}
+    `count`). A conditional's branches are all listed, as if each ran. `found_gemms`: the
+    program's `gemms(program)`, where the caller has them already."""
+    by_gemm = {g.name: g for g in (gemms(program) if found_gemms is None else found_gemms)}
     found = []
     for computation, times in _kernel_computations(program).items():
         for inst in program.computations.get(computation, ()):
@@ -312,4 +316,4 @@ def _through_views(program: Program, name: str) -> str:
     return name
 
 
-__all__ = ["KINDS", "Kernel", "kernels", "shared_results"]
+__all__ = ["COLLECTIVE_OPS", "KINDS", "Kernel", "kernels", "shared_results"]

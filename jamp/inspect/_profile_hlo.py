@@ -21,6 +21,7 @@ import dataclasses
 import numpy as np
 
 from jamp.hlo import text as hlo_text
+from jamp.hlo.kernels import COLLECTIVE_OPS
 from jamp.inspect._paths import names, nnx_root, op_name_path
 from jamp.wrap import Wrapped
 
@@ -43,19 +44,6 @@ CLASSES = (
 LOSS, UPDATE, UNNAMED, UNMATCHED = "(loss)", "(update)", "(unnamed)", "(unmatched)"
 
 
-_COLLECTIVES = frozenset(
-    {
-        "all-reduce",
-        "all-gather",
-        "reduce-scatter",
-        "all-to-all",
-        "ragged-all-to-all",
-        "collective-permute",
-        "collective-broadcast",
-        "send",
-        "recv",
-    }
-)
 # Events of these only wrap or wait for other work (a while loop's event spans its body's events;
 # an async "-done" waits for its "-start"): they get only time in which nothing else ran.
 _CONTAINERS = frozenset({"while", "conditional", "call"})
@@ -210,8 +198,10 @@ class HloOps:
         base = instr.op.removesuffix("-start").removesuffix("-done")
         body = [instr, *self._contents(instr)]
         tier = 2 if instr.op in _CONTAINERS or instr.op.endswith("-done") else 0
-        if base in _COLLECTIVES or any(i.op.removesuffix("-start") in _COLLECTIVES for i in body):
-            where = next((i for i in body if i.op.removesuffix("-start") in _COLLECTIVES), instr)
+        if base in COLLECTIVE_OPS or any(
+            i.op.removesuffix("-start") in COLLECTIVE_OPS for i in body
+        ):
+            where = next((i for i in body if i.op.removesuffix("-start") in COLLECTIVE_OPS), instr)
             return Op("collective", self._path(where, instr), max(tier, 1))
         if tier == 2:
             return Op("other", self._path(instr, instr), 2)

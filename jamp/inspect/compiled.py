@@ -387,5 +387,5 @@ def build_report(
         collectives=tuple(_collective_groups(program, mesh)),
         hlo_text=text,
         attention_traced=tuple(tuple(a) for a in attention_traced),
-        estimate=timing.estimate(program, target.gpu),
+        estimate=timing.estimate(program, target.gpu, found_gemms=found),
     )

@@ -137,12 +137,15 @@ def _outside(op_name: str) -> str:
     return "(loss)" if "jvp(" in op_name else "(update)"
 
 
-def estimate(program: Program, gpu, rates: Rates = RATES, top: int = 20) -> Estimate:
-    """The predicted step time of a compiled program on `gpu` (a `jamp.target.Gpu`)."""
+def estimate(
+    program: Program, gpu, rates: Rates = RATES, top: int = 20, found_gemms=None
+) -> Estimate:
+    """The predicted step time of a compiled program on `gpu` (a `jamp.target.Gpu`);
+    `found_gemms`: the program's `jamp.hlo.gemms`, where the caller has them already."""
     times = []
     by_kind: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
     launches = 0
-    for k in kernels(program):
+    for k in kernels(program, found_gemms):
         one, bound = kernel_seconds(k, gpu, rates)
         path, backward = op_name_path(k.op_name) if k.op_name else ("", False)
         times.append(
