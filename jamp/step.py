@@ -27,6 +27,7 @@ import optax
 from jax import lax
 
 from jamp import fp8, rounding
+from jamp.engine import recompute_widened
 from jamp.grad_stats import grad_stats
 from jamp.loss_scale import select_tree
 from jamp.state import TrainState, float32_view
@@ -92,6 +93,9 @@ def _scaled_grads(loss_fn, loss_scale, params, model_state, batch, rng, fp8_stat
         # Scaling the loss scales every gradient, lifting small 16-bit gradients above underflow.
         return loss_scale.scale(loss), (loss, new_model_state, metrics)
 
+    # What the loss computes from a model's widened 16-bit output (the logits) is recomputed in
+    # the backward from the 16-bit values, not kept in float32 (jamp.engine.recompute_widened).
+    scaled_loss = recompute_widened(scaled_loss)
     if fp8.uses_state(fp8_state):
         # The derivative with respect to the fp8 state is not a gradient: each fp8 matmul's
         # custom VJP puts this step's amaxes there (see jamp.fp8). The optimizer never sees it.

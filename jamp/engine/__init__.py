@@ -30,6 +30,15 @@ Example::
 
 from jamp.engine._core import ComputeFor, eval_jaxpr
 from jamp.engine._rewrite import PlacementFor, placing, rewrite
+from jamp.engine._tail import recompute_widened
 from jamp.engine._values import REWRITTEN_INSIDE
 
-__all__ = ["ComputeFor", "PlacementFor", "REWRITTEN_INSIDE", "eval_jaxpr", "placing", "rewrite"]
+__all__ = [
+    "ComputeFor",
+    "PlacementFor",
+    "REWRITTEN_INSIDE",
+    "eval_jaxpr",
+    "placing",
+    "recompute_widened",
+    "rewrite",
+]

@@ -1,0 +1,242 @@
+"""A loss's tail after a large 16-bit output is widened: recomputed in the backward, not kept.
+
+A wrapped model under `mixed_bfloat16` hands its logits to the loss in the policy's float32
+output dtype: one `convert_element_type` from bf16. Differentiated as written, the loss keeps
+float32 values of the logits' size for its backward (its `exp(x - max)`, the widened logits
+themselves), and `jnp.take_along_axis`'s gather of the label's logit transposes into a scatter
+into a float32 zero array of the same size: for GPT-2 small at batch 8 x 1024 x 50304, 1.5 GiB
+of float32 alive at the step's peak (XLA's plan for an H200).
+
+`recompute_widened(fn)` traces `fn`, finds each large 16-to-32-bit widening whose consumers
+(everything computed from it, transitively) are cheap elementwise work and reductions (no
+matmul, no loop, no effect), and evaluates those consumers (the tail) under `jax.checkpoint`:
+
+* what the tail computes smaller than the widened value (per-position maxima, log-normalizers,
+  the picked logits) is kept, by name, for the backward;
+* what it computes of the widened value's size is recomputed there from the 16-bit value, inside
+  the backward's own elementwise kernel: no logits-sized float32 buffer is kept or written;
+* a gather that picks one element per row along the last axis (`take_along_axis` of the labels)
+  is evaluated as a comparison with the index and a sum, whose backward is a select (no scatter).
+  Out-of-range indices get what the gather's mode gives them (`clip`: the nearest; `fill`: its
+  fill value, NaN by default).
+
+Values and gradients are those of `fn`, computed by the same operations in the same dtypes.
+`fn` runs as traced when it has no such tail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jax.extend import core as jcore
+
+from jamp.engine import _values as V
+
+#: A widening of fewer elements than this is left alone: recomputing its tail saves little.
+MIN_ELEMENTS = 1 << 20
+#: The name under which the tail's small values are kept for its backward.
+KEPT = "jamp_tail_kept"
+
+# A tail with any of these inside would be costly (or unsafe) to run twice.
+_COSTLY = frozenset(
+    {
+        "dot_general",
+        "conv_general_dilated",
+        "ragged_dot",
+        "ragged_dot_general",
+        "while",
+        "scan",
+        "pallas_call",
+    }
+)
+_JIT = ("jit", "pjit")
+
+
+def _size(aval) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64))
+
+
+def _is_seed(eqn) -> bool:
+    """A 16-bit float widened to float32 (or wider), large enough to be worth recomputing."""
+    if eqn.primitive.name != "convert_element_type" or not isinstance(eqn.invars[0], jcore.Var):
+        return False
+    src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype  # type: ignore[attr-defined]
+    return (
+        V.is_float_dtype(src)
+        and V.is_float_dtype(dst)
+        and np.dtype(src).itemsize == 2
+        and np.dtype(dst).itemsize >= 4
+        and _size(eqn.outvars[0].aval) >= MIN_ELEMENTS
+    )
+
+
+def _cheap(eqn) -> bool:
+    if eqn.primitive.name in _COSTLY or eqn.effects:
+        return False
+    return all(_cheap(e) for sub in V.sub_jaxprs(eqn) for e in sub.eqns)
+
+
+def _closure(eqns, start: int) -> set[int] | None:
+    """Indices of the equations computed from equation `start`'s output, or None if one of them
+    is not cheap."""
+    tainted = set(eqns[start].outvars)
+    found = {start}
+    for i in range(start + 1, len(eqns)):
+        eqn = eqns[i]
+        if any(isinstance(v, jcore.Var) and v in tainted for v in eqn.invars):
+            if not _cheap(eqn):
+                return None
+            found.add(i)
+            tainted.update(eqn.outvars)
+    return found
+
+
+def find_tail(jaxpr: jcore.Jaxpr) -> tuple[set[int], int]:
+    """(indices of the tail's equations, the smallest widened size) of `jaxpr`; empty if none."""
+    tail: set[int] = set()
+    smallest = 0
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i in tail or not _is_seed(eqn):
+            continue
+        found = _closure(jaxpr.eqns, i)
+        if found is not None:
+            tail |= found
+            size = _size(eqn.outvars[0].aval)
+            smallest = min(smallest, size) if smallest else size
+    return tail, smallest
+
+
+def _picks_last_axis(eqn, operand) -> bool:
+    """Whether a gather picks one element per row along its operand's last axis (the form of
+    `jnp.take_along_axis(x, idx[..., None], axis=-1)`)."""
+    if eqn.primitive.name != "gather":
+        return False
+    dn = eqn.params["dimension_numbers"]
+    nd = np.ndim(operand)
+    batch = tuple(range(nd - 1))
+    return (
+        nd >= 1
+        and tuple(dn.offset_dims) == ()
+        and tuple(dn.collapsed_slice_dims) == (nd - 1,)
+        and tuple(dn.start_index_map) == (nd - 1,)
+        and tuple(getattr(dn, "operand_batching_dims", ())) == batch
+        and tuple(getattr(dn, "start_indices_batching_dims", ())) == batch
+        and all(s == 1 for s in eqn.params["slice_sizes"])
+        and eqn.invars[1].aval.shape[-1] == 1
+    )
+
+
+def _pick(eqn, x, indices):
+    """The gather `eqn` of one element per row of `x`'s last axis, as a comparison and a sum."""
+    vocab = x.shape[-1]
+    idx = indices[..., 0]  # [*batch, *extra]
+    extra = idx.ndim - (x.ndim - 1)
+    rows = x.reshape(x.shape[:-1] + (1,) * extra + (vocab,))
+    mode = eqn.params.get("mode")
+    clipped = "CLIP" in str(mode) or "PROMISE" in str(mode)
+    if clipped:
+        idx = jnp.clip(idx, 0, vocab - 1)
+    hit = lax.broadcasted_iota(idx.dtype, idx.shape + (vocab,), idx.ndim) == idx[..., None]
+    picked = jnp.sum(jnp.where(hit, rows, jnp.zeros((), x.dtype)), axis=-1)
+    if not clipped:
+        fill = eqn.params.get("fill_value")
+        fill = np.nan if fill is None and jnp.issubdtype(x.dtype, jnp.inexact) else fill
+        inside = (idx >= 0) & (idx < vocab)
+        picked = jnp.where(inside, picked, jnp.asarray(0 if fill is None else fill, x.dtype))
+    return picked.astype(eqn.outvars[0].aval.dtype)
+
+
+@dataclasses.dataclass
+class _Program:
+    """The part of a jaxpr that `_run` reads (a `jcore.Jaxpr` would want JAX's debug info)."""
+
+    constvars: list
+    invars: list
+    outvars: list
+    eqns: list
+
+
+def _run(jaxpr, consts, args, keep_below: int) -> list:
+    """Evaluates `jaxpr`'s tail: sub-programs inlined, single-element gathers as picks, and
+    every float value smaller than `keep_below` elements named `KEPT`."""
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(v):
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        with jax.named_scope(str(eqn.source_info.name_stack) or "_"):
+            if eqn.primitive.name in _JIT:
+                closed = eqn.params["jaxpr"]
+                outs = _run(closed.jaxpr, closed.consts, invals, keep_below)
+            elif _picks_last_axis(eqn, invals[0]) and np.size(invals[0]) >= keep_below:
+                outs = [_pick(eqn, *invals)]
+            else:
+                outs = V.bind(eqn, invals, eqn.params)
+        for var, out in zip(eqn.outvars, outs):
+            if isinstance(var, jcore.DropVar):
+                continue
+            small = 0 < np.size(out) < keep_below and V.is_float_dtype(V.dtype_of(out))
+            env[var] = checkpoint_name(out, KEPT) if small else out
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _evaluate(jaxpr: jcore.Jaxpr, consts, args, tail: set[int], keep_below: int) -> list:
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(v):
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    head = [e for i, e in enumerate(jaxpr.eqns) if i not in tail]
+    rest = [e for i, e in enumerate(jaxpr.eqns) if i in tail]
+    for eqn in head:
+        with jax.named_scope(str(eqn.source_info.name_stack) or "_"):
+            outs = V.bind(eqn, [read(v) for v in eqn.invars], eqn.params)
+        env.update((v, o) for v, o in zip(eqn.outvars, outs) if not isinstance(v, jcore.DropVar))
+    made = {v for e in rest for v in e.outvars}
+    needed = list(
+        dict.fromkeys(
+            v for e in rest for v in e.invars if isinstance(v, jcore.Var) and v not in made
+        )
+    )
+    outs = [v for v in dict.fromkeys(jaxpr.outvars) if isinstance(v, jcore.Var) and v in made]
+    sub = _Program([], needed, outs, rest)
+
+    policy = jax.checkpoint_policies.save_only_these_names(KEPT)
+    # No barrier against XLA's common-subexpression elimination: with one, the gradient of the
+    # 16-bit logits cannot take the logits' own buffer (H200 program of GPT-2 small: one more
+    # bf16 logits-sized buffer, +786 MiB, at the peak); without, nothing float32 is kept either.
+    values = jax.checkpoint(
+        lambda *xs: _run(sub, [], xs, keep_below), policy=policy, prevent_cse=False
+    )(*[read(v) for v in needed])
+    env.update(zip(outs, values))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def recompute_widened(fn: Callable) -> Callable:
+    """`fn` with the tail after each large 16-bit widening recomputed in the backward (see the
+    module docstring); the same values and gradients."""
+
+    def run(*args):
+        closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        tail, smallest = find_tail(closed.jaxpr)
+        flat = jax.tree.leaves(args)
+        if tail:
+            outs = _evaluate(closed.jaxpr, closed.consts, flat, tail, smallest)
+        else:
+            outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
+        return jax.tree.unflatten(jax.tree.structure(shape), outs)
+
+    return run
+
+
+__all__ = ["KEPT", "MIN_ELEMENTS", "find_tail", "recompute_widened"]

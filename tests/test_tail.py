@@ -1,0 +1,154 @@
+"""jamp.engine.recompute_widened: the loss's tail after a widened 16-bit output runs again in the
+backward instead of keeping float32 copies (the same values and gradients), and on the H200
+program of a wrapped language model's train step no float32 logits are left at the peak."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jamp
+from jamp import target as target_lib
+from jamp.engine import _tail, recompute_widened
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+N, D, VOCAB = 64, 16, 512  # 32k logits: MIN_ELEMENTS is lowered to reach them
+
+
+@pytest.fixture(autouse=True)
+def _small_tails(monkeypatch):
+    monkeypatch.setattr(_tail, "MIN_ELEMENTS", 1024)
+
+
+def _data():
+    k = jax.random.split(jax.random.key(0), 3)
+    w = jax.random.normal(k[0], (D, VOCAB)) * 0.5
+    x = jax.random.normal(k[1], (4, N // 4, D))
+    y = jax.random.randint(k[2], (4, N // 4), 0, VOCAB)
+    return w, x, y
+
+
+def _optax_loss(w, x, y):
+    """A head in bf16, its logits widened, optax's loss and an accuracy (as users write them)."""
+    logits = (x.astype(BF16) @ w.astype(BF16)).astype(F32)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return loss, {"accuracy": (logits.argmax(-1) == y).mean()}
+
+
+def _grad(fn, *args):
+    return jax.jit(jax.value_and_grad(fn, has_aux=True))(*args)
+
+
+def test_tail_found_after_the_widening_and_not_across_a_matmul():
+    w, x, y = _data()
+    jaxpr = jax.make_jaxpr(_optax_loss)(w, x, y).jaxpr
+    tail, size = _tail.find_tail(jaxpr)
+    assert size == N * VOCAB
+    first = min(tail)
+    assert jaxpr.eqns[first].primitive.name == "convert_element_type"
+    assert not any(jaxpr.eqns[i].primitive.name == "dot_general" for i in tail)
+
+    def then_a_matmul(w, x, y):  # the widened value feeds another matmul: nothing to recompute
+        logits = (x.astype(BF16) @ w.astype(BF16)).astype(F32)
+        return jnp.sum(logits @ w.T), {}
+
+    assert _tail.find_tail(jax.make_jaxpr(then_a_matmul)(w, x, y).jaxpr) == (set(), 0)
+
+
+def test_values_and_gradients_equal_the_loss_as_written():
+    w, x, y = _data()
+    (loss, aux), grad = _grad(_optax_loss, w, x, y)
+    (loss2, aux2), grad2 = _grad(recompute_widened(_optax_loss), w, x, y)
+    np.testing.assert_allclose(loss2, loss, rtol=1e-6)
+    assert aux2["accuracy"] == aux["accuracy"]
+    np.testing.assert_allclose(grad2, grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", [None, "clip", "fill"])
+def test_label_pick_keeps_the_gathers_out_of_range_rule(mode):
+    w, x, y = _data()
+    y = y.at[0, :3].set(jnp.array([-1, VOCAB, VOCAB + 7]))  # negative wraps; past the end: mode
+
+    def picked(w, x, y):
+        logits = (x.astype(BF16) @ w.astype(BF16)).astype(F32)
+        kw = {} if mode is None else {"mode": mode}
+        got = jnp.take_along_axis(logits, y[..., None], axis=-1, **kw)[..., 0]
+        return jnp.sum(jnp.where(jnp.isnan(got), 0.0, got) * 1.5), {"nan": jnp.isnan(got).sum()}
+
+    (value, aux), grad = _grad(picked, w, x, y)
+    (value2, aux2), grad2 = _grad(recompute_widened(picked), w, x, y)
+    assert aux2["nan"] == aux["nan"]
+    np.testing.assert_allclose(value2, value, rtol=1e-6)
+    np.testing.assert_allclose(grad2, grad, rtol=1e-5, atol=1e-7)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda w: recompute_widened(picked)(w, x, y)[0]))(w)
+    assert "scatter" not in str(jaxpr)  # the pick's backward is a select, not a scatter
+
+
+def test_train_step_matches_the_loss_without_recomputation(monkeypatch):
+    class Head(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(VOCAB)(nn.Dense(D)(x))
+
+    model = jamp.wrap(Head(), "mixed_bfloat16")
+    w, x, y = _data()
+    params = model.init(jax.random.key(1), x)["params"]
+    tx = optax.sgd(0.1)
+
+    def loss_fn(p, model_state, batch, rng):
+        logits = model.apply({"params": p}, batch["x"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        return loss, (model_state, {})
+
+    def run():
+        state = jamp.TrainState.create(params, tx)
+        return jax.jit(jamp.make_train_step(loss_fn, tx))(
+            state, {"x": x, "y": y}, jax.random.key(2)
+        )
+
+    state, metrics = run()
+    monkeypatch.setattr(_tail, "MIN_ELEMENTS", 1 << 62)  # no tail: the loss as written
+    state_ref, metrics_ref = run()
+    np.testing.assert_allclose(metrics["loss"], metrics_ref["loss"], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(state_ref.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not target_lib.plugin_available(), reason="JAX's CUDA plugin is not installed")
+def test_h200_train_step_keeps_no_float32_logits_with_optax_loss():
+    """make_train_step of a wrapped LM with optax's loss on the float32 logits, H200 program
+    (XLA's plan, not a measured peak): without recomputation a float32 batch x length x vocab
+    array is live at the peak; with it, none (what float32 is left is the params' gradients)."""
+    from jamp.models.transformer import TransformerLM
+
+    batch, length, vocab = 8, 128, 8192
+    model = jamp.wrap(
+        TransformerLM(vocab, num_layers=2, d_model=128, num_heads=2, mlp_dim=256, max_len=length),
+        "mixed_bfloat16",
+    )
+    tx = optax.adamw(1e-3)
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    state = jax.eval_shape(lambda: jamp.TrainState.create(params, tx))
+    tokens = {"tokens": jax.ShapeDtypeStruct((batch, length + 1), jnp.int32)}
+    key = jax.eval_shape(lambda: jax.random.key(0))
+
+    def loss_fn(p, model_state, batch_, rng):
+        t = batch_["tokens"]
+        logits = model.apply({"params": p}, t[:, :-1]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean(), (
+            model_state,
+            {},
+        )
+
+    def f32_at_peak():
+        step = jax.jit(jamp.make_train_step(loss_fn, tx))
+        report = jamp.compile_for(step, state, tokens, key, target="h200")
+        return report.memory.temporaries_by_dtype["f32"]
+
+    logits_f32 = batch * length * vocab * 4
+    assert f32_at_peak() < logits_f32 / 2
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_tail, "MIN_ELEMENTS", 1 << 62)
+        assert f32_at_peak() >= logits_f32
