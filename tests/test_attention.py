@@ -52,6 +52,14 @@ def _grouped_reshaped(q, k, v):
     return jnp.einsum("BHGTS,BSHD->BTHGD", probs, v).reshape(B, T, N, H)
 
 
+def _repeated(q, k, v):
+    """Grouped-query attention written with the keys and values repeated over the heads (Hugging
+    Face's `repeat_kv`, MaxText's and many Llama ports' form)."""
+    kv = 2
+    k, v = (jnp.repeat(x[:, :, :kv], N // kv, axis=2) for x in (k, v))
+    return _hand_written(q, k, v)
+
+
 FORMS = {
     "linen causal mask": lambda q, k, v: nn.dot_product_attention(q, k, v, mask=CAUSAL),
     "linen padding bias": lambda q, k, v: nn.dot_product_attention(q, k, v, bias=_padding_bias()),
@@ -64,6 +72,7 @@ FORMS = {
     ),
     "hand-written": _hand_written,
     "grouped heads reshaped": _grouped_reshaped,
+    "grouped heads repeated": _repeated,
 }
 
 
@@ -121,6 +130,41 @@ def test_attention_reads_constant_causal_masks_as_causal_and_keeps_data_masks(mo
     (call,) = calls
     assert not call["causal"] and call["mask"].shape == (B, 1, 1, T)
     assert call["scale"] == 1.0  # Flax scales the queries itself
+
+
+def _spy_attend(monkeypatch):
+    calls = []
+    original = attention.attend
+
+    def spy(q, k, v, **kw):
+        calls.append((q.shape, k.shape, v.shape))
+        return original(q, k, v, **kw)
+
+    monkeypatch.setattr(attention, "attend", spy)
+    return calls
+
+
+def test_attention_takes_repeated_keys_and_values_grouped(monkeypatch):
+    calls = _spy_attend(monkeypatch)
+    _run(_repeated, BF16)(Q, K, V)
+    assert calls == [((B, T, N, H), (B, T, 2, H), (B, T, 2, H))]  # 2 kv heads, not N copies
+    calls.clear()
+    # Repeated over another axis than the heads, or not a repeat (a tile): taken as they are.
+    _run(lambda q, k, v: _hand_written(q, jnp.tile(k[:, :, :2], (1, 1, 2, 1)), v), BF16)(Q, K, V)
+    assert calls == [((B, T, N, H), (B, T, N, H), (B, T, N, H))]
+
+
+def test_llama_attention_is_grouped_in_every_layer(monkeypatch):
+    from jamp.models.llama import LlamaLM
+
+    calls = _spy_attend(monkeypatch)
+    model = LlamaLM(
+        vocab_size=64, num_layers=3, d_model=32, num_heads=4, num_kv_heads=2, mlp_dim=64, max_len=16
+    )
+    tokens = jnp.arange(32).reshape(2, 16) % 64
+    variables = model.init(jax.random.key(0), tokens)
+    jamp.wrap(model, "mixed_bfloat16").apply(variables, tokens)
+    assert calls == [((2, 16, 4, 8), (2, 16, 2, 8), (2, 16, 2, 8))] * 3
 
 
 def test_attention_dropout_stays_as_traced_and_says_why():

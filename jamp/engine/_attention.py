@@ -92,6 +92,41 @@ def _masks(attn: Attn, roles_order, full_sizes):
     return mask, causal
 
 
+def repeat_of(eqn, made_by: dict) -> Optional[tuple]:
+    """(source var, axis, group) if `eqn` is `jnp.repeat(source, group, axis)` as JAX traces it:
+    a broadcast (or two) that adds an axis of `group` copies right after `axis`, then a reshape
+    merging the two; None otherwise."""
+    if eqn.primitive.name != "reshape" or jax_compat.param(eqn, "dimensions") is not None:
+        return None
+    var = eqn.invars[0]
+    dims = None  # where the source's axes sit in the broadcast result
+    while isinstance(var, jcore.Var) and var in made_by:
+        producer = made_by[var]
+        if producer.primitive.name != "broadcast_in_dim":
+            break
+        step = tuple(int(d) for d in jax_compat.param(producer, "broadcast_dimensions"))
+        dims = step if dims is None else tuple(step[d] for d in dims)
+        var = producer.invars[0]
+    if dims is None or not isinstance(var, jcore.Var):
+        return None
+    src, wide = var.aval.shape, eqn.invars[0].aval.shape  # type: ignore[attr-defined]
+    out = eqn.outvars[0].aval.shape
+    if len(wide) != len(src) + 1:
+        return None
+    axes = [
+        a for a in range(len(src)) if dims == tuple(d if d <= a else d + 1 for d in range(len(src)))
+    ]
+    if not axes:
+        return None
+    axis = axes[0]  # the copies' axis is axis + 1
+    group = wide[axis + 1]
+    same = all(wide[dims[a]] == src[a] for a in range(len(src)))
+    merged = tuple(src[:axis]) + (src[axis] * group,) + tuple(src[axis + 1 :])
+    if not same or tuple(out) != merged or group < 2:
+        return None
+    return var, axis, group
+
+
 def fuse(eqn, vals, engine: Engine, where: str) -> Optional[list]:
     """`eqn`, a `dot_general` of the softmax and the values: the attention as one call."""
     i = 0 if isinstance(vals[0], Sym) else 1
@@ -140,6 +175,13 @@ def fuse(eqn, vals, engine: Engine, where: str) -> Optional[list]:
     sizes = [np.shape(q)[a] for a in q_b] + [np.shape(q)[a] for a in q_f]
     heads = int(np.prod(sizes[1:nb] + sizes[nb + 1 :]))
     kv_heads = int(np.prod(sizes[1:nb]))
+    k_rep, v_rep = engine.repeated(k), engine.repeated(v)
+    if nb == 2 and k_rep and v_rep and k_rep[1] == k_b[1] and v_rep[1] == v_batch[1]:
+        # Keys and values repeated over the heads for grouped-query attention: a fused kernel
+        # takes them grouped (query head h reads kv head h // group, as the repeat lays out),
+        # so the repeated copies are neither written nor kept for the backward.
+        if k_rep[2] == v_rep[2] and kv_heads % k_rep[2] == 0:
+            k, v, kv_heads = k_rep[0], v_rep[0], kv_heads // k_rep[2]
 
     def canon(x, b_axes, pos, rest, heads_):
         x = jnp.transpose(x, ([b_axes[0]] if b_axes else []) + [pos] + list(b_axes[1:]) + rest)

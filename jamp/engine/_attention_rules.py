@@ -174,6 +174,8 @@ class Engine:
     dtype_for: Callable[[Any], Optional[np.dtype]]
     out_dtype: Callable[[Any, np.dtype], np.dtype]
     saved: Callable[[Any, list], None] = lambda x, perm: None  # x = transpose(kept, perm)
+    # (source, axis, group) where x = jnp.repeat(source, group, axis), else None
+    repeated: Callable[[Any], Optional[tuple]] = lambda x: None
 
 
 def _like(sym: Sym, **changes) -> Sym:

@@ -13,7 +13,7 @@ from jax.extend import core as jcore
 
 from jamp import activations as act
 from jamp import fp8, jax_compat, mixed_ops, overrides
-from jamp.engine import _attention
+from jamp.engine import _attention, _recompute
 from jamp.engine import _values as V
 
 ComputeFor = Callable[[jcore.JaxprEqn, Optional[np.dtype]], Optional[np.dtype]]
@@ -54,11 +54,19 @@ class _Ctx:
     stateful: bool = True
     prefix: str = ""
     fuse_attention: bool = True  # run recognised attention as one call (`jamp.attention`)
+    recompute: bool = True  # activation functions recomputed in the backward (`_recompute`)
     sites: dict = dataclasses.field(default_factory=dict, compare=False)
     # id -> (value, perm): `value` is `transpose(kept, perm)` of a 16-bit array `kept` that the
     # backward pass keeps anyway (a fused attention's output): an fp8 matmul reading `kept`
     # itself (or a reshape of it) keeps it, not an fp8 copy of it (`jamp.fp8.dot_general`)
     saved: dict = dataclasses.field(default_factory=dict, compare=False)
+    # id -> (value, source, axis, group): `value` is `jnp.repeat(source, group, axis)` (keys or
+    # values repeated for grouped-query attention, which a fused attention takes ungrouped)
+    repeats: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    def repeated(self, x) -> Optional[tuple]:
+        held = self.repeats.get(id(x))
+        return held[1:] if held is not None and held[0] is x else None
 
     def saved_perm(self, x) -> Optional[tuple]:
         held = self.saved.get(id(x))
@@ -379,6 +387,7 @@ def _fuser(jaxpr, consts, ctx: _Ctx, dtype_for, evaluate) -> Optional[_attention
             lambda eqn: _attention_dtype(dtype_for(eqn)),
             lambda eqn, dtype: _matmul_out_dtype(eqn, dtype, ctx),
             ctx.save,
+            ctx.repeated,
         ),
         lambda eqn: _module_path(ctx.prefix, eqn),
     )
@@ -447,14 +456,16 @@ def _eval(
             return _eval_eqn(eqn, invals, weak_in, dtype_for(eqn), ctx, where)
 
     fuser = _fuser(jaxpr, consts, ctx, dtype_for, evaluate)
-    for eqn in jaxpr.eqns:
+    made_by: dict[Any, Any] = {}  # var -> its equation, for repeats (`_attention.repeat_of`)
+
+    def step(eqn) -> None:
         invals = [read(v) for v in eqn.invars]
         if fuser is not None:
             outs = _eval_attention(fuser, eqn, invals, [is_weak(v) for v in eqn.invars])
             if outs is not None:
                 env.update(zip(eqn.outvars, outs))
                 weak_env.update((v, False) for v in eqn.outvars)
-                continue
+                return
             invals = [_attention.real(x) for x in invals]
         where = None
         if place_env:
@@ -465,10 +476,50 @@ def _eval(
         outs, outs_weak = evaluate(eqn, invals, where)
         if ctx.saved and len(invals) == 1:
             ctx.follow(eqn, invals[0], outs[0])
+        if fuser is not None:
+            made_by.update((v, eqn) for v in eqn.outvars)
+            repeat = _attention.repeat_of(eqn, made_by)
+            if repeat is not None:
+                source, axis, group = repeat
+                ctx.repeats[id(outs[0])] = (outs[0], read(source), axis, group)
         for var, val, w in zip(eqn.outvars, outs, outs_weak):
             if not isinstance(var, jcore.DropVar):
                 env[var] = val
                 weak_env[var] = w
+
+    def recomputed(region: _recompute.Region) -> bool:
+        """Evaluates `region` under jax.checkpoint; False (nothing done) if it cannot be."""
+        ins = [read(v) for v in region.inputs]
+        if any(isinstance(x, _attention.Sym) for x in ins):
+            return False
+        weak_env.update((v, is_weak(v)) for v in region.inputs)
+
+        def body(*xs):
+            local = dict(zip(region.inputs, xs))
+            for i in region.members:
+                e = jaxpr.eqns[i]
+                vals = [v.val if isinstance(v, jcore.Literal) else local[v] for v in e.invars]
+                outs, outs_weak = evaluate(e, vals)
+                local.update(zip(e.outvars, outs))
+                weak_env.update(zip(e.outvars, outs_weak))
+            return [local[o] for o in region.outputs]
+
+        env.update(zip(region.outputs, jax.checkpoint(body, prevent_cse=True)(*ins)))
+        return True
+
+    regions = _recompute.regions(jaxpr) if ctx.recompute and not place_env else {}
+    deferred = {i for r in regions.values() for i in r.members[:-1]}
+    for index, eqn in enumerate(jaxpr.eqns):
+        if index in deferred:
+            continue  # evaluated with its region's last equation
+        region = regions.get(index)
+        if region is not None:
+            if recomputed(region):
+                continue
+            for i in region.members:
+                step(jaxpr.eqns[i])
+            continue
+        step(eqn)
     if fuser is not None:
         return [_attention.real(read(v)) for v in jaxpr.outvars], [
             is_weak(v) for v in jaxpr.outvars

@@ -46,16 +46,18 @@ class Attention(nn.Module):
         q_BLHD = rotate(dense(self.num_heads, "q")(x_BLD), self.rope_theta)
         k_BLKD = rotate(dense(self.num_kv_heads, "k")(x_BLD), self.rope_theta)
         v_BLKD = dense(self.num_kv_heads, "v")(x_BLD)
-        group = self.num_heads // self.num_kv_heads
-        k_BLHD = jnp.repeat(k_BLKD, group, axis=2)
-        v_BLHD = jnp.repeat(v_BLKD, group, axis=2)
+        # Query heads in groups of G per kv head (head h reads kv head h // G), without repeating
+        # k and v G times: the repeated copies would be written and kept for the backward.
+        b, length, kv_heads = x_BLD.shape[0], x_BLD.shape[1], self.num_kv_heads
+        q_BLKGD = q_BLHD.reshape(b, length, kv_heads, -1, head_dim)
 
-        scores_BHLL = jnp.einsum("bqhd,bkhd->bhqk", q_BLHD, k_BLHD) * head_dim**-0.5
-        positions = jnp.arange(x_BLD.shape[1])
+        scores_BKGLL = jnp.einsum("bqkgd,bskd->bkgqs", q_BLKGD, k_BLKD) * head_dim**-0.5
+        positions = jnp.arange(length)
         causal_LL = positions[:, None] >= positions[None, :]  # query i sees keys 0 .. i
-        scores_BHLL = jnp.where(causal_LL, scores_BHLL, jnp.finfo(scores_BHLL.dtype).min)
-        weights_BHLL = jax.nn.softmax(scores_BHLL, axis=-1)
-        out_BLHD = jnp.einsum("bhqk,bkhd->bqhd", weights_BHLL, v_BLHD)
+        scores_BKGLL = jnp.where(causal_LL, scores_BKGLL, jnp.finfo(scores_BKGLL.dtype).min)
+        weights_BKGLL = jax.nn.softmax(scores_BKGLL, axis=-1)
+        out_BLKGD = jnp.einsum("bkgqs,bskd->bqkgd", weights_BKGLL, v_BLKD)
+        out_BLHD = out_BLKGD.reshape(b, length, self.num_heads, head_dim)
         return nn.DenseGeneral(d_model, axis=(-2, -1), use_bias=False, name="o")(out_BLHD)
 
 
@@ -108,6 +110,8 @@ class LlamaLM(nn.Module):
       model = LlamaLM(vocab_size=256, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
                       mlp_dim=64, max_len=128)
       logits_BLV = model.apply(variables, tokens_BL)
+      hidden_BLD = model.apply(variables, tokens_BL, return_hidden=True)  # the head's input
+      kernel_DV = LlamaLM.output_kernel(variables["params"])             # and its weight
     """
 
     vocab_size: int
@@ -133,7 +137,7 @@ class LlamaLM(nn.Module):
         super().__post_init__()
 
     @nn.compact
-    def __call__(self, tokens_BL, train: bool = False):
+    def __call__(self, tokens_BL, train: bool = False, return_hidden: bool = False):
         del train  # no dropout, as in Llama
         if tokens_BL.shape[1] > self.max_len:
             raise ValueError(
@@ -149,4 +153,11 @@ class LlamaLM(nn.Module):
             )
             x_BLD = block(x_BLD)
         x_BLD = nn.RMSNorm(name="final_norm")(x_BLD)
+        if return_hidden:  # for a loss that applies the head itself (jamp.losses)
+            return x_BLD
         return nn.Dense(self.vocab_size, use_bias=False, name="lm_head")(x_BLD)
+
+    @staticmethod
+    def output_kernel(params):
+        """The output head's [d_model, vocab] weight in `params`."""
+        return params["lm_head"]["kernel"]
