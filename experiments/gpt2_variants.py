@@ -9,6 +9,8 @@ the logits cast to float32):
   lm_jamp_bf16      the same model, jamp.wrap(model, "mixed_bfloat16") + jamp.make_train_step
   lm_jamp_bf16_losses
                     the same with jamp.losses' cross-entropy (no float32 copy of the logits)
+  lm_jamp_bf16_chunked  the same with jamp.losses.fused_linear_cross_entropy (the head applied
+                    by the loss in chunks of positions: no logits formed)
   lm_jamp_f16       jamp.wrap(model, "mixed_float16") + make_train_step, dynamic loss scale
   lm_hand_bf16      the same network written by hand in bf16 Flax (peers_flax.HandLM) with
                     jax.nn.dot_product_attention(implementation="cudnn"), a plain step
@@ -52,6 +54,7 @@ VARIANTS = (
     "lm_fp32",
     "lm_jamp_bf16",
     "lm_jamp_bf16_losses",
+    "lm_jamp_bf16_chunked",
     "lm_jamp_f16",
     "lm_hand_bf16",
     "lm_plain_bf16",
@@ -167,7 +170,8 @@ def build(name: str, batch: int = 8, quick: bool = False, shape: dict | None = N
     shape = shape or (QUICK if quick else GPT2)
     family, kind = name.split("_", 1)
     loss_of = _jamp_loss if kind.endswith("_losses") else _loss
-    kind = kind.removesuffix("_losses")
+    chunked = kind.endswith("_chunked")
+    kind = kind.removesuffix("_losses").removesuffix("_chunked")
     policy = {"jamp_bf16": "mixed_bfloat16", "jamp_f16": "mixed_float16"}.get(kind)
     wrap_policy = policy or ("mixed_bfloat16" if kind == "plain_bf16" else None)
     if family == "lm" and kind == "hand_bf16":
@@ -196,6 +200,13 @@ def build(name: str, batch: int = 8, quick: bool = False, shape: dict | None = N
         def loss_fn(params, model_state, batch_, rng):
             del rng
             toks = batch_["tokens"]
+            if chunked:  # the head applied by the loss, in chunks: no logits formed
+                hidden = module.apply({"params": params}, toks[:, :-1], return_hidden=True)
+                kernel = type(module.module).output_kernel(params)
+                loss = jamp.losses.fused_linear_cross_entropy(
+                    hidden, kernel, toks[:, 1:], dtype=jnp.bfloat16
+                )
+                return loss, (model_state, {})
             return loss_of(logits_of(params, toks[:, :-1]), toks), (model_state, {})
 
         loss_scale = jamp.loss_scale_for(policy)

@@ -16,18 +16,41 @@ H200 program of jamp's GPT-2-small step (`jamp.wrap(model, "mixed_bfloat16")`, b
 memory 6.77 -> 5.26 GiB, float32 at the peak 1.54 GiB -> 32 MB, predicted step time 21.8 ->
 20.1 ms.
 
+`fused_linear_cross_entropy(hidden, kernel, labels)` goes further for a language model's
+output head: it never forms the batch x sequence x vocabulary logits at all. The positions are
+taken in chunks; per chunk, the head's matmul, the log-softmax and the loss's gradient with
+respect to the chunk's logits, which two more matmuls turn into the gradients of the hidden
+states and of the head's kernel (summed over chunks in float32) before the next chunk. The
+gradients are computed on the forward pass, as Liger Kernel's fused linear cross-entropy does:
+three matmuls per chunk, as the unfused head and loss have, where recomputing the logits in the
+backward would take four. The result is the loss reduced to a scalar (its mean over the
+positions `where` selects, or its sum), whose gradient is that scalar's.
+
 Example::
 
   logits = model.apply(variables, tokens[:, :-1])          # [batch, length, vocab], any float
   loss = jamp.losses.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  hidden = model.apply(variables, tokens[:, :-1], return_hidden=True)   # [batch, length, d]
+  loss = jamp.losses.fused_linear_cross_entropy(hidden, kernel_DV, tokens[:, 1:])
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jamp import mixed_ops
 
 _F32 = jnp.float32
+#: Logits per chunk (positions x vocabulary) that `fused_linear_cross_entropy` aims for.
+CHUNK_ELEMENTS = 1 << 27
+_REDUCTIONS = ("mean", "sum")
 
 
 def _log_normalizer(x):
@@ -86,4 +109,147 @@ def softmax_cross_entropy_with_integer_labels(logits: jax.Array, labels: jax.Arr
     return _xent(logits, labels)
 
 
-__all__ = ["softmax_cross_entropy_with_integer_labels"]
+def _chunk(h_c, kernel, y_c, w_c, dtype):
+    """One chunk's logits (in `dtype`, summed in float32), float32 logits, log-normalizers and
+    weighted loss sum."""
+    logits = mixed_ops.product(h_c, kernel, (((1,), (0,)), ((), ())), dtype)
+    x = logits.astype(_F32)
+    lse = _log_normalizer(x)
+    picked = jnp.sum(jnp.where(_onehot(y_c, x.shape[-1]), x, 0.0), axis=-1)
+    return x, lse, jnp.sum(w_c * (lse - picked))
+
+
+def _chunks(h, y, w, size):
+    n = h.shape[0] // size
+    return h.reshape(n, size, h.shape[1]), y.reshape(n, size), w.reshape(n, size)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _linear_xent(h, kernel, y, w, size, dtype, grad_dtypes):
+    del grad_dtypes
+    k = kernel.astype(dtype)
+
+    def body(total, xs):
+        h_c, y_c, w_c = xs
+        return total + _chunk(h_c.astype(dtype), k, y_c, w_c, dtype)[2], None
+
+    total, _ = lax.scan(body, jnp.zeros((), _F32), _chunks(h, y, w, size))
+    return total
+
+
+def _linear_xent_fwd(h, kernel, y, w, size, dtype, grad_dtypes):
+    del grad_dtypes
+    k = kernel.astype(dtype)
+
+    def body(carry, xs):
+        total, d_kernel = carry
+        h_c, y_c, w_c = xs
+        h_c = h_c.astype(dtype)
+        x, lse, loss = _chunk(h_c, k, y_c, w_c, dtype)
+        # d loss / d logits, per position: softmax minus the label's one-hot (in [-1, 1], safe in
+        # 16 bits), times its weight; the weights' scale and the incoming gradient come later,
+        # in float32, so that a float16 chunk never holds a value below its range.
+        d = (jnp.exp(x - lse[:, None]) - _onehot(y_c, x.shape[-1])) * w_c[:, None]
+        d = d.astype(dtype)
+        d_h = mixed_ops.product(d, k, (((1,), (1,)), ((), ())), _F32)
+        d_kernel = d_kernel + mixed_ops.product(h_c, d, (((0,), (0,)), ((), ())), _F32)
+        return (total + loss, d_kernel), d_h
+
+    init = (jnp.zeros((), _F32), jnp.zeros(kernel.shape, _F32))
+    (total, d_kernel), d_h = lax.scan(body, init, _chunks(h, y, w, size))
+    return total, (d_h.reshape(h.shape), d_kernel)
+
+
+def _linear_xent_bwd(size, dtype, grad_dtypes, residuals, g):
+    del size, dtype
+    (d_h, d_kernel), (h_dtype, kernel_dtype) = residuals, grad_dtypes
+    return (d_h * g).astype(h_dtype), (d_kernel * g).astype(kernel_dtype), None, None
+
+
+_linear_xent.defvjp(_linear_xent_fwd, _linear_xent_bwd)
+
+
+def _chunk_size(positions: int, vocab: int, chunk_size) -> int:
+    if chunk_size is not None:
+        if not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        return min(int(chunk_size), positions)
+    chunks = max(1, math.ceil(positions * vocab / CHUNK_ELEMENTS))
+    return math.ceil(positions / chunks)
+
+
+def fused_linear_cross_entropy(
+    hidden: jax.Array,
+    kernel: jax.Array,
+    labels: jax.Array,
+    *,
+    where: jax.Array | None = None,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+    dtype=None,
+) -> jax.Array:
+    """Cross-entropy of the logits `hidden @ kernel` against integer labels, reduced to a scalar,
+    without forming the logits (see the module docstring).
+
+    The same value as `softmax_cross_entropy_with_integer_labels(hidden @ kernel, labels)`
+    averaged (or summed) over the positions `where` selects, with the head's matmul in `dtype`
+    summed in float32 and its result rounded to `dtype`, as a wrapped model's head computes it.
+
+    Args:
+      hidden: [..., d] the output head's input (the last hidden states), any float dtype.
+      kernel: [d, vocab] the head's weight (for an embedding table tied as the head, its
+        transpose `table.T`). Its gradient comes back in its dtype, summed in float32.
+      labels: [...] integer labels in [0, vocab) (`hidden`'s shape without its last axis); a
+        label outside picks no logit, its loss is the log-normalizer alone.
+      where: optional [...] weights per position (a bool mask or floats): "mean" divides the
+        weighted sum by their sum.
+      reduction: "mean" (default) or "sum".
+      chunk_size: positions per chunk; by default as many as keep a chunk's logits near
+        `CHUNK_ELEMENTS` (2^25) elements.
+      dtype: the matmuls' operand dtype; by default `hidden`'s (bfloat16 hidden states from a
+        wrapped model: a bfloat16 head).
+
+    Returns:
+      The float32 scalar loss.
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(_REDUCTIONS)}, got {reduction!r}")
+    for name, x in (("hidden", hidden), ("kernel", kernel)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must be floating point, got {x.dtype}")
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(f"labels must be integers, got {labels.dtype}")
+    if kernel.ndim != 2 or hidden.shape[-1:] != kernel.shape[:1]:
+        raise ValueError(
+            f"kernel must be [d, vocab] with d hidden's last axis: hidden {hidden.shape}, "
+            f"kernel {kernel.shape}"
+        )
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"labels must have hidden's shape without its last axis: hidden {hidden.shape}, "
+            f"labels {labels.shape}"
+        )
+    weights = jnp.ones(labels.shape, _F32) if where is None else jnp.asarray(where, _F32)
+    if weights.shape != labels.shape:
+        raise ValueError(f"where must have labels' shape {labels.shape}, got {weights.shape}")
+    d, vocab = kernel.shape
+    h = hidden.reshape(-1, d)
+    y = labels.reshape(-1)
+    w = weights.reshape(-1)
+    size = _chunk_size(max(h.shape[0], 1), vocab, chunk_size)
+    pad = -h.shape[0] % size
+    if pad:  # padded positions weigh nothing
+        h = jnp.pad(h, ((0, pad), (0, 0)))
+        y = jnp.pad(y, (0, pad))
+        w = jnp.pad(w, (0, pad))
+    compute = np.dtype(dtype if dtype is not None else hidden.dtype)
+    grad_dtypes = (np.dtype(hidden.dtype), np.dtype(kernel.dtype))
+    total = _linear_xent(h, kernel, y, lax.stop_gradient(w), size, compute, grad_dtypes)
+    return total / jnp.sum(w) if reduction == "mean" else total
+
+
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "fused_linear_cross_entropy",
+    "softmax_cross_entropy_with_integer_labels",
+]

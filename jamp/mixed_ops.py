@@ -148,6 +148,14 @@ def _matmul(lhs, rhs, dims, out_dtype, acc=_ACC, lowering="native"):
     return _dot_in(lhs, rhs, dims, acc, widen).astype(out_dtype)
 
 
+def product(lhs, rhs, dimension_numbers, out_dtype):
+    """`lax.dot_general(lhs, rhs)` of same-dtype operands, summed in float32 and written in
+    `out_dtype`, in the form this platform runs fastest (as a wrapped model's matmuls are); no
+    custom derivative: for code that writes its own backward (`jamp.losses`)."""
+    lowering = hardware.matmul_lowering(np.dtype(lhs.dtype))
+    return _matmul(lhs, rhs, dimension_numbers, np.dtype(out_dtype), _ACC, lowering)
+
+
 def _is_16bit(dtype) -> bool:
     return np.dtype(dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 

@@ -55,7 +55,7 @@ RANK = {
     "scopes": -2,  # the NNX call scopes: names, read by fp8, nnx and inspect
     "rounding": -1,  # stochastic rounding, beneath the step and lowbit
     "lowbit": -0.5,  # low-bit optimizer state: beneath placement, which places and counts it
-    "losses": 0,  # a loss with its own backward: beneath everything that trains
+    "losses": 0.3,  # losses with their own backward, above mixed_ops (the fused head's matmuls)
     "grad_stats": 0.5,  # one pass over the gradients: beneath loss_scale and the step
     "loss_scale": 1,
     "engine": 0.9,  # the interpreter beneath autocast, wrap and nnx

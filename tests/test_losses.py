@@ -110,3 +110,119 @@ def test_h200_program_keeps_no_float32_logits_of_a_wrapped_model():
     assert f32_at_peak(_optax) >= logits_f32
     # what is left is the float32 gradients of the params (the tied embedding: 4 MiB)
     assert f32_at_peak(losses.softmax_cross_entropy_with_integer_labels) < logits_f32 / 2
+
+
+# ----- the fused, chunked head + loss
+
+
+def _head_data(dtype=BF16, shape=(3, 37), d=16, vocab=300):
+    k = jax.random.split(jax.random.key(5), 4)
+    hidden = jax.random.normal(k[0], (*shape, d)).astype(dtype)
+    kernel = jax.random.normal(k[1], (d, vocab)) * 0.3
+    labels = jax.random.randint(k[2], shape, 0, vocab)
+    where = jax.random.bernoulli(k[3], 0.8, shape)
+    return hidden, kernel, labels, where
+
+
+def _unfused(hidden, kernel, labels, where, dtype):
+    """The head as a wrapped model computes it (in `dtype`, summed in float32, rounded to
+    `dtype`), then the cross-entropy averaged over `where`."""
+    logits = jnp.einsum(
+        "...d,dv->...v", hidden.astype(dtype), kernel.astype(dtype), preferred_element_type=F32
+    ).astype(dtype)
+    per = losses.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return jnp.sum(per * where) / jnp.sum(where)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 20, 111, 1000])
+def test_fused_head_loss_and_gradients_equal_the_unfused_in_bf16(chunk_size):
+    hidden, kernel, labels, where = _head_data()
+
+    def fused(h, k):
+        return losses.fused_linear_cross_entropy(h, k, labels, where=where, chunk_size=chunk_size)
+
+    value, grads = jax.jit(jax.value_and_grad(fused, argnums=(0, 1)))(hidden, kernel)
+    want, want_grads = jax.value_and_grad(
+        lambda h, k: _unfused(h, k, labels, where, BF16), argnums=(0, 1)
+    )(hidden, kernel)
+    assert value.dtype == F32 and value.shape == ()
+    np.testing.assert_allclose(value, want, rtol=1e-5)
+    assert grads[0].dtype == BF16 and grads[1].dtype == F32  # each in its argument's dtype
+    for got, ref in zip(grads, want_grads):
+        got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert err < 2**-7, err  # within bf16 rounding of the per-logit gradient
+    # without differentiation the same value, the gradients never computed
+    np.testing.assert_allclose(jax.jit(fused)(hidden, kernel), value, rtol=1e-6)
+
+
+def test_fused_head_in_float32_matches_optax_and_sums():
+    hidden, kernel, labels, _ = _head_data(F32)
+    logits = jnp.einsum("...d,dv->...v", hidden, kernel, precision="highest")
+    want = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    got = losses.fused_linear_cross_entropy(hidden, kernel, labels, reduction="sum", chunk_size=7)
+    np.testing.assert_allclose(got, want.sum(), rtol=1e-4)
+    g = jax.grad(
+        lambda k: losses.fused_linear_cross_entropy(hidden, k, labels, chunk_size=7, dtype=F32)
+    )(kernel)
+    g_ref = jax.grad(
+        lambda k: optax.softmax_cross_entropy_with_integer_labels(
+            jnp.einsum("...d,dv->...v", hidden, k, precision="highest"), labels
+        ).mean()
+    )(kernel)
+    np.testing.assert_allclose(g, g_ref, rtol=1e-3, atol=1e-6)
+
+
+def test_fused_head_float16_gradients_stay_in_range_under_a_loss_scale():
+    """float16 hidden states: the per-logit gradient (softmax minus one-hot) is held in [-1, 1]
+    and scaled by the mean's 1 / count and the loss scale only in float32."""
+    hidden, kernel, labels, _ = _head_data(jnp.float16, shape=(64, 64))
+    scale = 2.0**15
+    g = jax.grad(
+        lambda h: losses.fused_linear_cross_entropy(h, kernel, labels, chunk_size=512) * scale
+    )(hidden)
+    g_ref = jax.grad(lambda h: _unfused(h, kernel, labels, jnp.ones(labels.shape), F32) * scale)(
+        hidden.astype(F32)
+    )
+    assert g.dtype == jnp.float16 and bool(jnp.isfinite(g).all())
+    err = float(jnp.linalg.norm(g.astype(F32) - g_ref) / jnp.linalg.norm(g_ref))
+    assert err < 1e-2, err
+
+
+def test_fused_head_bad_arguments_say_what_is_accepted():
+    hidden, kernel, labels, where = _head_data()
+    f = losses.fused_linear_cross_entropy
+    with pytest.raises(ValueError, match="reduction must be one of mean, sum"):
+        f(hidden, kernel, labels, reduction="none")
+    with pytest.raises(ValueError, match=r"kernel must be \[d, vocab\]"):
+        f(hidden, kernel.T, labels)
+    with pytest.raises(ValueError, match="labels must have hidden's shape"):
+        f(hidden, kernel, labels[:, :3])
+    with pytest.raises(ValueError, match="where must have labels' shape"):
+        f(hidden, kernel, labels, where=where[:, :3])
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        f(hidden, kernel, labels, chunk_size=0)
+    with pytest.raises(TypeError, match="labels must be integers"):
+        f(hidden, kernel, labels.astype(F32))
+
+
+@pytest.mark.skipif(not target_lib.plugin_available(), reason="JAX's CUDA plugin is not installed")
+def test_h200_fused_head_forms_no_logits():
+    """The fused head + loss of 8 x 512 positions over a 32k vocabulary, in chunks of 512, on the
+    H200 program (XLA's plan): no buffer of all positions x vocabulary, 16- or 32-bit, at any
+    time; the unfused head + loss holds several."""
+    positions, d, vocab = 8 * 512, 256, 32768
+    hidden = jax.ShapeDtypeStruct((8, 512, d), BF16)
+    kernel = jax.ShapeDtypeStruct((d, vocab), F32)
+    labels = jax.ShapeDtypeStruct((8, 512), jnp.int32)
+    ones = jnp.ones((8, 512))
+
+    def temporaries(fn):
+        grad = jax.grad(fn, argnums=(0, 1))
+        return target_lib.compile_for(grad, hidden, kernel, labels, target="h200").memory
+
+    fused = temporaries(lambda h, k, y: losses.fused_linear_cross_entropy(h, k, y, chunk_size=512))
+    unfused = temporaries(lambda h, k, y: _unfused(h, k, y, ones, BF16))
+    logits_bf16 = positions * vocab * 2
+    assert fused.temporaries < logits_bf16 / 2, fused
+    assert unfused.temporaries >= logits_bf16, unfused

@@ -29,6 +29,8 @@ class TransformerLM(nn.Module):
 
       model = TransformerLM(vocab_size=256, num_layers=2)
       logits_BLV = model.apply(variables, tokens_BL)
+      hidden_BLD = model.apply(variables, tokens_BL, return_hidden=True)  # the head's input
+      kernel_DV = TransformerLM.output_kernel(variables["params"])       # and its weight
     """
 
     vocab_size: int
@@ -40,7 +42,7 @@ class TransformerLM(nn.Module):
     dropout_rate: float = 0.0
 
     @nn.compact
-    def __call__(self, tokens_BL, train: bool = False):
+    def __call__(self, tokens_BL, train: bool = False, return_hidden: bool = False):
         length = tokens_BL.shape[1]
         embed = nn.Embed(self.vocab_size, self.d_model)
         positions = self.param(
@@ -51,5 +53,12 @@ class TransformerLM(nn.Module):
         for _ in range(self.num_layers):
             x = DecoderBlock(self.num_heads, self.mlp_dim, self.dropout_rate)(x, mask, train)
         x = nn.LayerNorm()(x)
+        if return_hidden:  # for a loss that applies the head itself (jamp.losses)
+            return x
         # Tied output embedding: a raw matmul against a parameter, which wrapping must still reach.
         return embed.attend(x)
+
+    @staticmethod
+    def output_kernel(params):
+        """The output head's [d_model, vocab] weight in `params`: the tied embedding, transposed."""
+        return params["Embed_0"]["embedding"].T
