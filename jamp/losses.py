@@ -110,13 +110,15 @@ def softmax_cross_entropy_with_integer_labels(logits: jax.Array, labels: jax.Arr
 
 
 def _chunk(h_c, kernel, y_c, w_c, dtype):
-    """One chunk's logits (in `dtype`, summed in float32), float32 logits, log-normalizers and
-    weighted loss sum."""
+    """One chunk's float32 logits (computed in `dtype`, summed in float32), log-normalizers,
+    weighted loss sum and weighted count of labels whose logit is the largest."""
     logits = mixed_ops.product(h_c, kernel, (((1,), (0,)), ((), ())), dtype)
     x = logits.astype(_F32)
     lse = _log_normalizer(x)
-    picked = jnp.sum(jnp.where(_onehot(y_c, x.shape[-1]), x, 0.0), axis=-1)
-    return x, lse, jnp.sum(w_c * (lse - picked))
+    hit = _onehot(y_c, x.shape[-1])
+    picked = jnp.sum(jnp.where(hit, x, 0.0), axis=-1)
+    top = jnp.any(hit, axis=-1) & (picked >= jnp.max(x, axis=-1))
+    return x, lse, jnp.sum(w_c * (lse - picked)), jnp.sum(jnp.where(top, w_c, 0.0))
 
 
 def _chunks(h, y, w, size):
@@ -129,12 +131,14 @@ def _linear_xent(h, kernel, y, w, size, dtype, grad_dtypes):
     del grad_dtypes
     k = kernel.astype(dtype)
 
-    def body(total, xs):
+    def body(sums, xs):
         h_c, y_c, w_c = xs
-        return total + _chunk(h_c.astype(dtype), k, y_c, w_c, dtype)[2], None
+        _, _, loss, correct = _chunk(h_c.astype(dtype), k, y_c, w_c, dtype)
+        return (sums[0] + loss, sums[1] + correct), None
 
-    total, _ = lax.scan(body, jnp.zeros((), _F32), _chunks(h, y, w, size))
-    return total
+    zero = jnp.zeros((), _F32)
+    sums, _ = lax.scan(body, (zero, zero), _chunks(h, y, w, size))
+    return sums
 
 
 def _linear_xent_fwd(h, kernel, y, w, size, dtype, grad_dtypes):
@@ -142,10 +146,10 @@ def _linear_xent_fwd(h, kernel, y, w, size, dtype, grad_dtypes):
     k = kernel.astype(dtype)
 
     def body(carry, xs):
-        total, d_kernel = carry
+        total, correct, d_kernel = carry
         h_c, y_c, w_c = xs
         h_c = h_c.astype(dtype)
-        x, lse, loss = _chunk(h_c, k, y_c, w_c, dtype)
+        x, lse, loss, hits = _chunk(h_c, k, y_c, w_c, dtype)
         # d loss / d logits, per position: softmax minus the label's one-hot (in [-1, 1], safe in
         # 16 bits), times its weight; the weights' scale and the incoming gradient come later,
         # in float32, so that a float16 chunk never holds a value below its range.
@@ -153,15 +157,16 @@ def _linear_xent_fwd(h, kernel, y, w, size, dtype, grad_dtypes):
         d = d.astype(dtype)
         d_h = mixed_ops.product(d, k, (((1,), (1,)), ((), ())), _F32)
         d_kernel = d_kernel + mixed_ops.product(h_c, d, (((0,), (0,)), ((), ())), _F32)
-        return (total + loss, d_kernel), d_h
+        return (total + loss, correct + hits, d_kernel), d_h
 
-    init = (jnp.zeros((), _F32), jnp.zeros(kernel.shape, _F32))
-    (total, d_kernel), d_h = lax.scan(body, init, _chunks(h, y, w, size))
-    return total, (d_h.reshape(h.shape), d_kernel)
+    init = (jnp.zeros((), _F32), jnp.zeros((), _F32), jnp.zeros(kernel.shape, _F32))
+    (total, correct, d_kernel), d_h = lax.scan(body, init, _chunks(h, y, w, size))
+    return (total, correct), (d_h.reshape(h.shape), d_kernel)
 
 
-def _linear_xent_bwd(size, dtype, grad_dtypes, residuals, g):
+def _linear_xent_bwd(size, dtype, grad_dtypes, residuals, cotangents):
     del size, dtype
+    g = cotangents[0]  # the count of correct labels has no gradient
     (d_h, d_kernel), (h_dtype, kernel_dtype) = residuals, grad_dtypes
     return (d_h * g).astype(h_dtype), (d_kernel * g).astype(kernel_dtype), None, None
 
@@ -187,7 +192,8 @@ def fused_linear_cross_entropy(
     reduction: str = "mean",
     chunk_size: int | None = None,
     dtype=None,
-) -> jax.Array:
+    return_accuracy: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Cross-entropy of the logits `hidden @ kernel` against integer labels, reduced to a scalar,
     without forming the logits (see the module docstring).
 
@@ -208,9 +214,11 @@ def fused_linear_cross_entropy(
         `CHUNK_ELEMENTS` (2^25) elements.
       dtype: the matmuls' operand dtype; by default `hidden`'s (bfloat16 hidden states from a
         wrapped model: a bfloat16 head).
+      return_accuracy: also return the fraction (or with "sum", the count) of positions whose
+        label's logit is the largest (a tie counts as correct), weighted as the loss is.
 
     Returns:
-      The float32 scalar loss.
+      The float32 scalar loss, or (loss, accuracy) with `return_accuracy`.
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {', '.join(_REDUCTIONS)}, got {reduction!r}")
@@ -244,8 +252,10 @@ def fused_linear_cross_entropy(
         w = jnp.pad(w, (0, pad))
     compute = np.dtype(dtype if dtype is not None else hidden.dtype)
     grad_dtypes = (np.dtype(hidden.dtype), np.dtype(kernel.dtype))
-    total = _linear_xent(h, kernel, y, lax.stop_gradient(w), size, compute, grad_dtypes)
-    return total / jnp.sum(w) if reduction == "mean" else total
+    total, correct = _linear_xent(h, kernel, y, lax.stop_gradient(w), size, compute, grad_dtypes)
+    if reduction == "mean":
+        total, correct = total / jnp.sum(w), correct / jnp.sum(w)
+    return (total, lax.stop_gradient(correct)) if return_accuracy else total
 
 
 __all__ = [

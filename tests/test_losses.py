@@ -226,3 +226,19 @@ def test_h200_fused_head_forms_no_logits():
     logits_bf16 = positions * vocab * 2
     assert fused.temporaries < logits_bf16 / 2, fused
     assert unfused.temporaries >= logits_bf16, unfused
+
+
+def test_fused_head_accuracy_is_the_argmax_accuracy():
+    hidden, kernel, labels, where = _head_data(F32)
+    logits = jnp.einsum("...d,dv->...v", hidden, kernel, precision="highest")
+    labels = labels.at[0, :10].set(jnp.argmax(logits, -1)[0, :10])  # some right for sure
+    loss, accuracy = losses.fused_linear_cross_entropy(
+        hidden, kernel, labels, where=where, chunk_size=16, dtype=F32, return_accuracy=True
+    )
+    right = (jnp.argmax(logits, -1) == labels).astype(F32)
+    np.testing.assert_allclose(accuracy, jnp.sum(right * where) / jnp.sum(where), rtol=1e-6)
+    assert 0 < float(accuracy) < 1
+    g = jax.grad(
+        lambda h: losses.fused_linear_cross_entropy(h, kernel, labels, return_accuracy=True)[0]
+    )(hidden)
+    assert g.shape == hidden.shape

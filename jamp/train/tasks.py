@@ -12,7 +12,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jamp import losses
+from jamp import fp8, losses
 from jamp import nnx as jamp_nnx
 from jamp.inspect.overflow import output_flags
 from jamp.train.overflow_watch import FORWARD
@@ -20,12 +20,15 @@ from jamp.train.overflow_watch import FORWARD
 TASKS = ("classification", "lm")
 
 
-def _apply(model, params, model_state, inputs, train, rng=None):
+def _apply(model, params, model_state, inputs, train, rng=None, hidden=False):
     variables = {"params": params, **model_state}
     rngs = {"dropout": rng} if rng is not None else None
+    more = {"return_hidden": True} if hidden else {}
     if train and model_state:
-        return model.apply(variables, inputs, train=True, rngs=rngs, mutable=list(model_state))
-    return model.apply(variables, inputs, train=train, rngs=rngs), model_state
+        return model.apply(
+            variables, inputs, train=True, rngs=rngs, mutable=list(model_state), **more
+        )
+    return model.apply(variables, inputs, train=train, rngs=rngs, **more), model_state
 
 
 def _inputs_targets(task, batch):
@@ -66,6 +69,18 @@ def _apply_checked(model, params, model_state, inputs, rng):
     return out, state, {path: ok.astype(jnp.float32) for path, ok in flags.items()}
 
 
+def _fused_head(model):
+    """(the model's `output_kernel(params)`, the head's dtype) when the LM loss can apply the
+    output head itself, in chunks (`jamp.losses.fused_linear_cross_entropy`): a wrapped linen
+    model whose module returns its last hidden states on `return_hidden=True` and names its
+    head's kernel, with no override that might place the head elsewhere. Else None."""
+    module = getattr(model, "module", None)
+    kernel_of = getattr(type(module), "output_kernel", None)
+    if not isinstance(model, nn.Module) or kernel_of is None or getattr(model, "overrides", ()):
+        return None
+    return kernel_of, fp8.carrier(model.policy.compute_dtype)
+
+
 def make_loss_fn(model, task: str, *, forward_flags: bool = False):
     """`loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, metrics))`.
 
@@ -73,9 +88,20 @@ def make_loss_fn(model, task: str, *, forward_flags: bool = False):
     its output was finite on this step (1.0) or not (0.0): where a forward overflow began.
     """
 
+    fused = _fused_head(model) if task == "lm" and not forward_flags else None
+
     def loss_fn(params, model_state, batch, rng):
         inputs, targets = _inputs_targets(task, batch)
         extra = {}
+        if fused is not None:
+            # The head and the loss in chunks of positions: no batch x length x vocabulary logits
+            # (jamp.losses.fused_linear_cross_entropy), the head in the policy's dtype.
+            kernel_of, dtype = fused
+            hidden, new_model_state = _apply(model, params, model_state, inputs, True, rng, True)
+            loss, accuracy = losses.fused_linear_cross_entropy(
+                hidden, kernel_of(params), targets, dtype=dtype, return_accuracy=True
+            )
+            return loss, (new_model_state, {"accuracy": accuracy})
         if forward_flags:
             logits, new_model_state, flags = _apply_checked(model, params, model_state, inputs, rng)
             extra[FORWARD_FLAGS] = flags
