@@ -44,10 +44,10 @@ sys.path.insert(0, str(HERE.parent))
 ROWS = (
     ("lm_jamp_bf16", "lm_jamp_bf16", "", "jamp.wrap mixed_bfloat16 + make_train_step"),
     (
-        "lm_jamp_bf16_losses",
-        "lm_jamp_bf16_losses",
+        "lm_jamp_bf16_chunked",
+        "lm_jamp_bf16_chunked",
         "",
-        "the same, loss by jamp.losses (no float32 logits)",
+        "the same, head + loss in chunks (jamp.losses.fused_linear_cross_entropy)",
     ),
     ("lm_fp32", "lm_fp32", "", "float32 (TF32), plain value_and_grad + optax"),
     ("lm_hand_bf16", "lm_hand_bf16", "", "hand-written bf16 Flax, cuDNN attention, plain step"),

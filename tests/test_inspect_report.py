@@ -391,3 +391,32 @@ def test_report_paths_of_a_stack_reentered_as_one_scope():
     assert _paths.module_path(stack) == "blocks/0/attention/key"
     assert _paths.module_path(f"transpose({stack})/jamp_policy_1_") == "blocks/0/attention/key"
     assert [n.text for n in _paths.names("jvp(a(x)/b(y))")] == ["x", "y"]  # no endless split
+
+
+def test_report_names_logits_formed_whole_and_not_the_chunked_loss():
+    """A loss over an 8192-word vocabulary of 2048 positions forms its logits whole: the report
+    says so and names the chunked loss, which forms none (its chunks run in a loop)."""
+    from jamp import losses
+
+    model = jamp.wrap(
+        TransformerLM(8192, num_layers=1, d_model=32, num_heads=2, mlp_dim=64, max_len=256),
+        "mixed_bfloat16",
+    )
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    tokens = jax.ShapeDtypeStruct((8, 257), jnp.int32)
+
+    def optax_loss(p, t):
+        logits = model.apply(p, t[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
+
+    def chunked(p, t):
+        hidden = model.apply(p, t[:, :-1], return_hidden=True)
+        kernel = TransformerLM.output_kernel(p["params"])
+        return losses.fused_linear_cross_entropy(hidden, kernel, t[:, 1:], chunk_size=512)
+
+    found = [h for h in precision_report(jax.grad(optax_loss), params, tokens).hazards]
+    (hazard,) = [h for h in found if h.kind == "logits formed"]
+    assert "[8, 256, 8192]" in hazard.detail and "fused_linear_cross_entropy" in hazard.detail
+    assert "logits formed" in precision_report(jax.grad(optax_loss), params, tokens).table()
+    report = precision_report(jax.grad(chunked), params, tokens)
+    assert not [h for h in report.hazards if h.kind == "logits formed"]

@@ -58,7 +58,12 @@ HAZARD_KINDS = (
     "fp32 matmul",
     "fp32 GEMM in compiled HLO",
     "emulated compute dtype",
+    "logits formed",
 )
+#: A softmax over at least this many classes, of at least LOGITS_ELEMENTS values, is a language
+#: model's loss over its vocabulary: its logits could be left unformed (see `_logits_hazards`).
+LOGITS_CLASSES = 8192
+LOGITS_ELEMENTS = 1 << 24
 #: "other": work outside differentiation in a program that has a backward pass (the optimizer
 #: update, the loss-scale adjustment, the finiteness check).
 PHASES = ("forward", "backward", "other")
@@ -249,6 +254,42 @@ def _gemm_hazards(report: Report, gemms: list[Gemm]) -> list[Hazard]:
     ]
 
 
+def _logits_hazards(jaxpr) -> list[Hazard]:
+    """Each large softmax over a vocabulary (a maximum over the last axis of a [..., V] array, V
+    >= LOGITS_CLASSES) whose input the program forms whole: what jamp recomputes or keeps in 16
+    bits (`make_train_step`), but cannot chunk without knowing the head; the hazard names
+    `jamp.losses.fused_linear_cross_entropy`, which applies the head in chunks."""
+    found: dict[tuple, int] = {}
+
+    def visit(jx):
+        for eqn in jx.eqns:
+            if eqn.primitive.name not in ("scan", "while"):  # a loop's body is a chunk of it
+                for sub in jcore.jaxprs_in_params(eqn.params):
+                    visit(sub)
+            if eqn.primitive.name != "reduce_max" or not hasattr(eqn.invars[0], "aval"):
+                continue
+            aval = eqn.invars[0].aval
+            last = (aval.ndim - 1,)
+            if aval.ndim >= 2 and tuple(eqn.params.get("axes", ())) == last:
+                size = int(np.prod(aval.shape, dtype=np.int64))
+                if aval.shape[-1] >= LOGITS_CLASSES and size >= LOGITS_ELEMENTS:
+                    found[(tuple(aval.shape), np.dtype(aval.dtype).name)] = size
+
+    visit(jaxpr)
+    return [
+        Hazard(
+            "logits formed",
+            "",
+            "",
+            f"a softmax over {shape[-1]} classes reads {dtype}{list(shape)}, formed whole; "
+            "jamp.losses.fused_linear_cross_entropy(hidden, kernel, labels) applies the output "
+            "head and the loss in chunks without it",
+            size,
+        )
+        for (shape, dtype), size in found.items()
+    ]
+
+
 def _hardware(compute: Optional[np.dtype]) -> tuple[Optional[str], list[Hazard]]:
     """The hardware line, and a hazard when the compute dtype is only emulated here."""
     s = hardware.support(np.dtype(compute) if compute is not None else np.dtype(np.float32))
@@ -381,7 +422,7 @@ def precision_report(fn: Callable, *args, compiled: bool = False, compute_dtype=
     report = Report(
         rows=rows,
         totals=_totals(rows, collective_bytes),
-        hazards=hazards + hardware_hazards,
+        hazards=hazards + hardware_hazards + _logits_hazards(closed.jaxpr),
         compute_dtype=np.dtype(compute).name if compute is not None else "float32",
         activations=activations,
         hardware=hardware_line,

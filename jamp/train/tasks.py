@@ -16,6 +16,7 @@ from jamp import fp8, losses
 from jamp import nnx as jamp_nnx
 from jamp.inspect.overflow import output_flags
 from jamp.train.overflow_watch import FORWARD
+from jamp.wrap import Wrapped, wrap
 
 TASKS = ("classification", "lm")
 
@@ -73,10 +74,14 @@ def _fused_head(model):
     """(the model's `output_kernel(params)`, the head's dtype) when the LM loss can apply the
     output head itself, in chunks (`jamp.losses.fused_linear_cross_entropy`): a wrapped linen
     model whose module returns its last hidden states on `return_hidden=True` and names its
-    head's kernel, with no override that might place the head elsewhere. Else None."""
+    head's kernel, with no override besides a wrap's defaults. Else None."""
     module = getattr(model, "module", None)
     kernel_of = getattr(type(module), "output_kernel", None)
-    if not isinstance(model, nn.Module) or kernel_of is None or getattr(model, "overrides", ()):
+    if not isinstance(model, Wrapped) or kernel_of is None:
+        return None
+    # The overrides every wrap has (normalization in float32) leave the head alone; any other
+    # (keep_in_float32, adaptive precision's) might not.
+    if model.overrides != wrap(module, model.policy, activations=model.activations).overrides:
         return None
     return kernel_of, fp8.carrier(model.policy.compute_dtype)
 
