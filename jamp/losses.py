@@ -48,6 +48,8 @@ from jax import lax
 from jamp import mixed_ops
 
 _F32 = jnp.float32
+#: The name scope of `fused_linear_cross_entropy`'s work (its kernels' op names carry it).
+SCOPE = "fused_linear_cross_entropy"
 #: Logits per chunk (positions x vocabulary) that `fused_linear_cross_entropy` aims for.
 CHUNK_ELEMENTS = 1 << 27
 _REDUCTIONS = ("mean", "sum")
@@ -252,7 +254,10 @@ def fused_linear_cross_entropy(
         w = jnp.pad(w, (0, pad))
     compute = np.dtype(dtype if dtype is not None else hidden.dtype)
     grad_dtypes = (np.dtype(hidden.dtype), np.dtype(kernel.dtype))
-    total, correct = _linear_xent(h, kernel, y, lax.stop_gradient(w), size, compute, grad_dtypes)
+    with jax.named_scope(SCOPE):
+        total, correct = _linear_xent(
+            h, kernel, y, lax.stop_gradient(w), size, compute, grad_dtypes
+        )
     if reduction == "mean":
         total, correct = total / jnp.sum(w), correct / jnp.sum(w)
     return (total, lax.stop_gradient(correct)) if return_accuracy else total
@@ -260,6 +265,7 @@ def fused_linear_cross_entropy(
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "SCOPE",
     "fused_linear_cross_entropy",
     "softmax_cross_entropy_with_integer_labels",
 ]

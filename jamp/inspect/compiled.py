@@ -21,7 +21,7 @@ import os
 import re
 from typing import Any, Optional
 
-from jamp import hlo
+from jamp import hlo, losses
 from jamp.hlo import buffers
 from jamp.inspect import timing
 from jamp.inspect._paths import op_name_path
@@ -289,7 +289,8 @@ def _attention(program: hlo.Program, gemms: list[hlo.Gemm]) -> list[Attention]:
             if not backward:
                 softmax.add(path or _scope(inst.op_name))
     for g in gemms:
-        if not g.batched:
+        # (the fused head + loss: batched GEMMs around an exponential too, but no attention)
+        if not g.batched or losses.SCOPE in g.op_name:
             continue
         path, backward = op_name_path(g.op_name)
         path = path or _scope(g.op_name)
