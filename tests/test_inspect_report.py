@@ -391,3 +391,22 @@ def test_report_paths_of_a_stack_reentered_as_one_scope():
     assert _paths.module_path(stack) == "blocks/0/attention/key"
     assert _paths.module_path(f"transpose({stack})/jamp_policy_1_") == "blocks/0/attention/key"
     assert [n.text for n in _paths.names("jvp(a(x)/b(y))")] == ["x", "y"]  # no endless split
+
+
+def test_report_takes_an_nnx_model_as_users_hold_it():
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(8, 16, rngs=rngs)
+            self.head = nnx.Linear(16, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(nnx.relu(self.hidden(x)))
+
+    model = jamp.wrap(Net(nnx.Rngs(0)), "mixed_bfloat16")
+    x = jnp.ones((2, 8))
+    report = precision_report(model, x)
+    assert report.compute_dtype == "bfloat16"
+    assert {r.path for r in report.rows if r.flops_16bit} == {"hidden", "head"}
+    assert report.row("hidden").matmul_flops and report.totals.share_16bit() == 1.0
