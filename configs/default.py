@@ -88,7 +88,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     # | int8 (block-wise 8-bit, 256 values per scale; small arrays stay float32): what the
     # optimizer's moments are stored in (jamp.lowbit). param_rounding: how params stored in
     # bfloat16 (a policy's ",params=bf16", e.g. "mixed_bfloat16,params=bf16") take their float32
-    # update: auto (stochastic, or nearest for float16 params) | stochastic (unbiased) | nearest
+    # update: auto (stochastic; the program refuses float16 params) | stochastic (unbiased) | nearest
     # (stalls updates under half a bfloat16 ulp) | kahan (to nearest, with a compensation buffer
     # of 2 bytes per param carrying what was lost).
     c.optimizer_state = "float32"

@@ -335,10 +335,15 @@ def emulation_warning(policy, device=None, *, cpu: Optional[CpuInfo] = None) -> 
     faster = "float32"
     if dtype.itemsize == 2 and support(other, device, cpu=cpu).native:
         faster = "mixed_bfloat16" if other == BF16 else "mixed_float16 (with loss scaling)"
+    how = "its matmuls are emulated in float32 and no faster"
+    if s.platform == "cpu" and "XLA:CPU" in s.detail:  # the CPU has the instructions
+        how = (
+            f"XLA:CPU has no {dtype.name} matmul kernels (whatever the CPU's {dtype.name} "
+            "instructions), so its matmuls run in float32 and no faster"
+        )
     return (
         f"warning: {_preset(policy)} computes in {dtype.name}, which {s.device} does not run "
-        f"natively: its matmuls are emulated in float32 and no faster; {faster} is the faster "
-        "choice here."
+        f"natively: {how}; {faster} is the faster choice here."
     )
 
 

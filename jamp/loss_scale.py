@@ -131,13 +131,32 @@ class StaticLossScale:
         return self
 
 
+def _is_whole(value) -> bool:
+    """A whole number as jmp takes one: an int, an integral float (`period=5.`), or a numpy / JAX
+    integer scalar; not a bool."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, np.integer)):
+        return True
+    if isinstance(value, (float, np.floating)):
+        return math.isfinite(value) and float(value).is_integer()
+    if isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) == 0:
+        try:
+            return jnp.issubdtype(value.dtype, jnp.integer) and not isinstance(
+                value, jax.core.Tracer
+            )
+        except TypeError:
+            return False
+    return False
+
+
 def _check_config(scale, growth_interval, growth_factor, backoff_factor, hysteresis, lo, hi):
     def bad(message):
         return ValueError(f"DynamicLossScale: {message}")
 
     for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-            raise bad(f"{name} must be an int >= 1, got {value!r}")
+        if not _is_whole(value) or value < 1:
+            raise bad(f"{name} must be an int >= 1 (or a whole float, as jmp takes), got {value!r}")
     for name, value in (
         ("growth_factor", growth_factor),
         ("backoff_factor", backoff_factor),

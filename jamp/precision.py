@@ -23,6 +23,7 @@ natively, float32 where it does not (`jamp.hardware.auto_policy`; `auto_reason` 
 """
 
 import dataclasses
+import difflib
 from typing import Union
 
 import jax.numpy as jnp
@@ -60,16 +61,23 @@ MATMUL_NAMES = ("f8", "fp8", "float8")
 DTYPE_NAMES = ("float32", "f32", "full", "float16", "f16", "half", "bfloat16", "bf16")
 _ALLOWED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 _ACCEPTED = (
-    "Accepted: a preset (" + ", ".join(PRESETS) + "); 'auto' (mixed_bfloat16 where this "
-    "device runs bfloat16 matmuls natively, float32 elsewhere); a dtype name used for all three "
-    "dtypes (" + ", ".join(DTYPE_NAMES) + "); or comma-separated key=dtype pairs with keys "
-    "p/params, c/compute, o/output (e.g. 'p=f32,c=bf16,o=f32'; params default to float32, "
-    "compute follows params, output follows compute); a preset or the pairs may add "
-    "p/params=bf16, params stored in bfloat16 (e.g. 'mixed_bfloat16,params=bf16'), or "
-    "r/reduce=f32|bf16|f16, the dtype sharded gradients are reduced in (e.g. "
-    "'mixed_bfloat16,reduce=bf16', 'auto,reduce=bf16'), and pairs with c=bf16 may add "
-    "m/matmul=f8, fp8 matmuls (e.g. 'p=f32,c=bf16,o=f32,matmul=f8', the preset mixed_fp8)."
+    "Accepted: a preset (" + ", ".join(PRESETS) + "), 'auto', a dtype name for all three dtypes "
+    "(f32, bf16, f16, ...) or key=dtype pairs such as 'p=f32,c=bf16,o=f32' (the grammar: "
+    "jamp.get_policy, docs/guides/policies.md)."
 )
+# What users type for the presets (PyTorch's and the prose's names): suggested, not taken, since
+# jmp's grammar gives a bare dtype name ("bf16") its own meaning, all three dtypes.
+_MEANT = {
+    "fp16": "mixed_float16",
+    "amp": "mixed_float16",
+    "mixed_fp16": "mixed_float16",
+    "mixed_f16": "mixed_float16",
+    "fp8": "mixed_fp8",
+    "f8": "mixed_fp8",
+    "float8": "mixed_fp8",
+    "mixed_bf16": "mixed_bfloat16",
+    "fp32": "float32",
+}
 _F32 = jnp.dtype(jnp.float32)
 
 
@@ -123,12 +131,17 @@ PolicyLike = Union[str, jmp.Policy]
 
 
 def _fail(spec, problem: str) -> ValueError:
-    return ValueError(f"Bad precision policy {spec!r}: {problem}. {_ACCEPTED}")
+    meant = _MEANT.get(spec.strip().lower()) if isinstance(spec, str) else None
+    if meant is None and isinstance(spec, str):
+        close = difflib.get_close_matches(spec.strip(), [*PRESETS, AUTO], n=1, cutoff=0.75)
+        meant = close[0] if close else None
+    hint = f" Did you mean {meant!r}?" if meant else ""
+    return ValueError(f"Bad precision policy {spec!r}: {problem}.{hint} {_ACCEPTED}")
 
 
 def _check_dtype(name: str, spec) -> None:
     if name not in DTYPE_NAMES:
-        raise _fail(spec, f"unknown dtype {name!r}")
+        raise _fail(spec, f"Unknown dtype {name!r}")
 
 
 def _normalise(spec: str) -> tuple[str, str, str]:

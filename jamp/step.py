@@ -19,17 +19,19 @@ Nothing here jits or pmaps: callers wrap the step in `jax.jit`, or use `jamp.par
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.extend import core as jcore
 
 from jamp import fp8, rounding
 from jamp.engine import recompute_widened
 from jamp.grad_stats import grad_stats
-from jamp.loss_scale import select_tree
+from jamp.loss_scale import NoOpLossScale, select_tree
 from jamp.state import TrainState, float32_view
 
 #: The step metric `{fp8 site: how far past fmax its amax went}` (`jamp.fp8.saturation`), with
@@ -78,13 +80,55 @@ def _conform(new: PyTree, old: PyTree, what: str) -> PyTree:
     return jax.tree.map(lambda n, o: jnp.asarray(n).astype(o.dtype), new, old)
 
 
+def _unpack(out):
+    """`loss_fn`'s result, checked: `(loss, (new_model_state, metrics))`."""
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], tuple) and len(out[1]) == 2:
+        return out
+    got = type(out).__name__ if not isinstance(out, tuple) else f"a tuple of {len(out)}"
+    raise TypeError(
+        "loss_fn must return (loss, (new_model_state, metrics)), e.g. "
+        f"`return loss, (model_state, {{}})`; got {got}"
+    )
+
+
+_WARNED_UNSCALED: list[bool] = []
+
+
+def _computes_in_float16(jaxpr) -> bool:
+    """Whether the program makes float16 arrays (a float16 policy's casts and matmuls; on a CPU
+    without float16 matmuls, jamp widens float16 operands for a float32 dot)."""
+    for eqn in jaxpr.eqns:
+        if any(
+            getattr(v.aval, "dtype", None) == jnp.float16 and getattr(v.aval, "ndim", 0)
+            for v in eqn.outvars
+        ):
+            return True
+        if any(_computes_in_float16(sub) for sub in jcore.jaxprs_in_params(eqn.params)):
+            return True
+    return False
+
+
+def _warn_float16_unscaled(jaxpr) -> None:
+    """Once per process: float16 compute under a NoOpLossScale, the commonest fp16 mistake
+    (PyTorch's autocast without a GradScaler): small gradients flush to zero in float16."""
+    if _WARNED_UNSCALED or not _computes_in_float16(jaxpr):
+        return
+    _WARNED_UNSCALED.append(True)
+    warnings.warn(
+        "the train step computes in float16 without a loss scale (the state holds a "
+        "NoOpLossScale): gradients below float16's range flush to zero. Create the state with "
+        "loss_scale=jamp.loss_scale_for(policy) (a dynamic scale for float16).",
+        stacklevel=4,
+    )
+
+
 def _scaled_grads(loss_fn, loss_scale, params, model_state, batch, rng, fp8_state=None):
     """Returns (scaled fp32 grads, fp32 loss, new model state, fp32 metrics, fp8 observations)
     for one batch; the observations are None without an fp8 state."""
 
     def scaled_loss(p, f8):
         with fp8.scaling(f8) as scope:  # the fp8 matmuls traced here read their scales from it
-            loss, (new_model_state, metrics) = loss_fn(p, model_state, batch, rng)
+            loss, (new_model_state, metrics) = _unpack(loss_fn(p, model_state, batch, rng))
         scope.check_reached()  # a site the loss never reached would never update
         if jnp.ndim(loss) != 0:
             raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}.")
@@ -95,7 +139,8 @@ def _scaled_grads(loss_fn, loss_scale, params, model_state, batch, rng, fp8_stat
 
     # What the loss computes from a model's widened 16-bit output (the logits) is recomputed in
     # the backward from the 16-bit values, not kept in float32 (jamp.engine.recompute_widened).
-    scaled_loss = recompute_widened(scaled_loss)
+    on_trace = _warn_float16_unscaled if isinstance(loss_scale, NoOpLossScale) else None
+    scaled_loss = recompute_widened(scaled_loss, on_trace)
     if fp8.uses_state(fp8_state):
         # The derivative with respect to the fp8 state is not a gradient: each fp8 matmul's
         # custom VJP puts this step's amaxes there (see jamp.fp8). The optimizer never sees it.

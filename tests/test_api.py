@@ -85,11 +85,12 @@ RANK = {
     "run_log": 5.5,
     "loop": 6,
     "plan": 6.5,  # above loop, whose model and state builders it runs abstractly
+    "cli_help": 6.9,  # the program's --help and its errors' suggestions, beneath cli
     "cli": 7,
 }
 # The training program's modules (jamp/train/): ranked like the library's, by their own name.
 PROGRAM = {"loop", "run_config", "run_log", "checkpoint", "metrics", "optim", "tasks"}
-PROGRAM |= {"overflow_watch", "data", "cli", "nnx_adapter", "adapting", "plan"}
+PROGRAM |= {"overflow_watch", "data", "cli", "cli_help", "nnx_adapter", "adapting", "plan"}
 # Heavy or program-only dependencies, and the only modules allowed to import them.
 CONFINED = {
     "tensorflow": {"data"},

@@ -22,13 +22,13 @@ SMOKE = "--config=configs/default.py:smoke"
 # the path of a regular file.
 TABLE = """
 # policies and dtype names
-policy_preset   | policy=mixed_float12                    | policy 'mixed_float12': unknown dtype
-policy_f64      | policy=p=f32,c=f64                      | 'p=f32,c=f64': unknown dtype 'f64'
+policy_preset   | policy=mixed_float12                    | policy 'mixed_float12': Unknown dtype
+policy_f64      | policy=p=f32,c=f64                      | 'p=f32,c=f64': Unknown dtype 'f64'
 policy_gap      | policy=p=f32,,c=bf16                    | entry '' is not of the form key=dtype
 policy_empty    | policy=                                 | policy '': empty string
 policy_twice    | policy=c=bf16,c=f16                     | duplicate key 'c' (compute given twice)
-policy_int8     | policy=compute=int8                     | unknown dtype 'int8'
-policy_dtype    | policy=bfloat17                         | unknown dtype 'bfloat17'
+policy_int8     | policy=compute=int8                     | Unknown dtype 'int8'
+policy_dtype    | policy=bfloat17                         | Unknown dtype 'bfloat17'
 activations     | activations=fast                        | activations='fast' is not one of 'a
 # loss scales
 scale_kind      | loss_scale=sometimes                    | unknown loss_scale 'sometimes'
@@ -41,13 +41,15 @@ initial_huge    | LS.initial=1e30                         | initial must be betw
 growth_factor   | LS.growth_factor=1.0                    | growth_factor must be > 1, got 1.0
 backoff_one     | LS.backoff_factor=1.0                   | backoff_factor must be in (0, 1), got 1
 backoff_zero    | LS.backoff_factor=0.0                   | backoff_factor must be in (0, 1), got 0
-hysteresis      | LS.hysteresis=0                         | hysteresis must be an int >= 1, got 0
+hysteresis      | LS.hysteresis=0                         | hysteresis must be an int >= 1 (or a w
 min_above_max   | LS.min_scale=1024 LS.max_scale=2        | need 0 < min_scale <= max_scale < inf
 growth_interval | LS.growth_interval=0                    | growth_interval must be an int >= 1
 # config keys
 unknown_field   | no_such_field=1                         | unknown config field no_such_field;
 unknown_nested  | LS.no_such=1                            | field loss_scale_params.no_such;
 unknown_arg     | model_config.widht=3                    | unknown config field model_config.widht;
+misspelled      | polcy=mixed_bfloat16                    | unknown config field polcy (did you mean policy?);
+misspelled_flag | --polciy=mixed_bfloat16                 | flag 'polciy' (did you mean --config.policy?)
 # config values
 batch_type      | batch_size=abc                          | --config.batch_size=abc: invalid literal
 steps_negative  | num_train_steps=-5                      | num_train_steps must be a positive int
@@ -66,7 +68,10 @@ decay_nan       | weight_decay=nan                        | weight_decay must be
 momentum        | momentum=1.5                            | momentum must be in [0, 1), got 1.5
 opt_state       | optimizer_state=int4                    | unknown optimizer_state 'int4'; acce
 rounding        | param_rounding=up                       | unknown param_rounding 'up'; accepted
-sr_float16      | policy=float16 param_rounding=stochastic | stores params in float16, which st
+sr_float16      | policy=float16 param_rounding=stochastic | stores params in float16, which th
+f16_params      | policy=f16                              | did you mean 'mixed_float16' (float
+policy_fp16     | policy=fp16                             | Did you mean 'mixed_float16'?
+policy_fp8      | policy=fp8                              | Did you mean 'mixed_fp8'?
 kahan_float32   | param_rounding=kahan                    | param_rounding=kahan compensates the
 seed_type       | seed=1.5                                | --config.seed=1.5: invalid literal
 # batch sizes over the 8 devices every case runs with
@@ -126,6 +131,16 @@ def _assert_one_line_error(out: subprocess.CompletedProcess, needle: str) -> str
     assert len(lines) == 1, out.stderr[-4000:]
     assert needle in lines[0], lines[0]
     return lines[0]
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_lists_the_recipes_fields_policy_first_and_exits_0(flag):
+    out = _cli([flag, "--config=lm_pydoc"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    fields = [line.split()[0] for line in out.stdout.splitlines() if line.startswith("  --config.")]
+    assert fields[0] == "--config.policy" and "--config.seq_len" in fields
+    assert "mixed_bfloat16" in out.stdout and "Example:" in out.stdout
+    assert "lm_pydoc" in out.stdout  # the recipes
 
 
 @pytest.fixture(scope="module")

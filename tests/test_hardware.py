@@ -186,6 +186,10 @@ def test_emulation_warning_names_the_faster_choice_where_emulated():
         MIXED_F16, CPU, cpu=ZEN5
     )
     assert "mixed_float16" in hardware.emulation_warning(MIXED_BF16, V100)
+    # a CPU with float16 instructions: the line says why they do not help
+    sapphire = hardware.emulation_warning(MIXED_F16, CPU, cpu=SAPPHIRE)
+    assert "XLA:CPU has no float16 matmul kernels" in sapphire
+    assert "emulated in float32" not in sapphire
     pure_bf16 = jmp.get_policy("bf16")
     assert hardware.emulation_warning(pure_bf16, CPU, cpu=ZEN3).startswith("warning: bfloat16 ")
 

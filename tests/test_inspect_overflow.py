@@ -110,3 +110,17 @@ def test_loss_forward_flags_of_an_nnx_model():
         "head": 0.0,
         "": 0.0,
     }
+
+
+def test_forward_nonfinite_takes_an_nnx_model_as_users_hold_it():
+    """forward_nonfinite(model, x): the variables are the model's own; the same modules as
+    through the training program's view of it."""
+    model = nnx_boom_net("mixed_float16", activations="compute")
+    x = 10.0 * jax.random.normal(jax.random.key(1), (16, 4))
+    view, variables = _nnx_view("mixed_float16")
+    found = forward_nonfinite(model, x)
+    assert found == forward_nonfinite(view, variables, x)
+    assert found.first == "boom" and not found.output_finite
+    assert forward_nonfinite(model, x / 1e6).modules == ()  # the cached re-run, other values
+    fine = nnx_boom_net("float32")
+    assert forward_nonfinite(fine, x).modules == ()

@@ -226,3 +226,31 @@ def test_nnx_capturing_outputs_keeps_to_the_models_own_trace():
     # both contexts saw the model's own submodule and output.
     assert set(first) == set(outer) == {"", "b"}
     assert float(outer[""]) == float(jnp.max(jnp.abs(out)))
+
+
+def test_ranges_take_an_nnx_model_as_users_hold_it():
+    """range_report(model, x, loss_fn=lambda model: ...): the same table as through the
+    training program's view of the model."""
+    model = nnx_boom_net("mixed_float16")
+    view = NnxView(nnx_boom_net("mixed_float16"))
+    x = 10.0 * jax.random.normal(jax.random.key(1), (16, 4))
+    y = jnp.arange(16) % 3
+
+    def loss(logits):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    held = range_report(model, x, loss_fn=lambda m: loss(m(x)), loss_scale=8.0)
+    program = range_report(
+        view,
+        view.variables,
+        x,
+        loss_fn=lambda p: loss(view.apply({"params": p}, x)),
+        loss_scale=8.0,
+    )
+    assert held.flagged == program.flagged == ["boom"]
+    assert [r.path for r in held.rows] == [r.path for r in program.rows]
+    for a, b in zip(held.rows, program.rows):
+        assert a.max_activation == b.max_activation, a.path
+        assert a.grad_count == b.grad_count, a.path
+        if b.max_scaled_grad is not None and math.isfinite(b.max_scaled_grad):
+            assert math.isclose(a.max_scaled_grad, b.max_scaled_grad, rel_tol=1e-6), a.path

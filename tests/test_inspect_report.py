@@ -420,3 +420,22 @@ def test_report_names_logits_formed_whole_and_not_the_chunked_loss():
     assert "logits formed" in precision_report(jax.grad(optax_loss), params, tokens).table()
     report = precision_report(jax.grad(chunked), params, tokens)
     assert not [h for h in report.hazards if h.kind == "logits formed"]
+
+
+def test_report_takes_an_nnx_model_as_users_hold_it():
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(8, 16, rngs=rngs)
+            self.head = nnx.Linear(16, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(nnx.relu(self.hidden(x)))
+
+    model = jamp.wrap(Net(nnx.Rngs(0)), "mixed_bfloat16")
+    x = jnp.ones((2, 8))
+    report = precision_report(model, x)
+    assert report.compute_dtype == "bfloat16"
+    assert {r.path for r in report.rows if r.flops_16bit} == {"hidden", "head"}
+    assert report.row("hidden").matmul_flops and report.totals.share_16bit() == 1.0

@@ -171,3 +171,19 @@ def test_flax_dynamic_scale_maps_one_to_one_step_for_step(case):
         grown += float(ds.scale) > before
         backed_off += float(ds.scale) < before
     assert grown >= 3 and backed_off >= 10
+
+
+@pytest.mark.parametrize("period", [5.0, np.int32(5), np.float64(5.0), jnp.asarray(5)])
+def test_jmp_whole_number_periods_are_taken_as_jmp_takes_them(period):
+    ls = DynamicLossScale(jnp.asarray(2.0**15), jnp.zeros((), jnp.int32), period, 2.0, 1.0)
+    assert ls.period == 5 and isinstance(ls.growth_interval, int)
+    theirs = jmp.DynamicLossScale(jnp.asarray(2.0**15), jnp.zeros((), jnp.int32), period, 2.0)
+    flags = [True] * 12
+    mine, jmps = drive_eagerly(ls, flags), drive_eagerly(theirs, flags)
+    assert [m["loss_scale"] for m in mine] == [j["loss_scale"] for j in jmps]
+
+
+@pytest.mark.parametrize("period", [5.5, 0.0, True, float("inf")])
+def test_a_period_that_is_no_whole_number_gets_one_line(period):
+    with pytest.raises(ValueError, match="growth_interval must be an int >= 1"):
+        DynamicLossScale(jnp.asarray(2.0**15), period=period)

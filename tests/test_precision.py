@@ -156,7 +156,7 @@ def test_get_policy_reduce_dtype_is_a_fourth_optional_field(spec, reduce):
     "spec,needle",
     [
         ("r=bf16", "a reduce or matmul entry alone names no policy"),
-        ("mixed_bfloat16,reduce=int8", "unknown dtype 'int8'"),
+        ("mixed_bfloat16,reduce=int8", "Unknown dtype 'int8'"),
         ("mixed_bfloat16,r=bf16,reduce=f32", "duplicate key 'reduce'"),
         ("mixed_bfloat16,c=f16", "duplicate key 'c'"),
         ("mixed_bfloat16,params=bf16,p=f32", "duplicate key 'p'"),

@@ -8,6 +8,7 @@ import optax
 import pytest
 from toy import MLP, BNNet, make_batch, make_loss_fn
 
+import jamp
 from jamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jamp.state import TrainState
 from jamp.step import make_eval_step, make_train_step
@@ -346,3 +347,42 @@ def test_train_step_attribution_depth_zero_is_the_single_flag():
     assert not bool(metrics["grads_finite"]) and int(state.skipped_steps) == 1
     with pytest.raises(ValueError, match="attribution_depth"):
         make_train_step(make_loss_fn(MLP()), optax.sgd(0.1), attribution_depth=-1)
+
+
+def test_step_warns_once_about_float16_without_a_loss_scale(monkeypatch):
+    import warnings
+
+    from jamp import step as step_lib
+
+    monkeypatch.setattr(step_lib, "_WARNED_UNSCALED", [])
+    model = jamp.wrap(nn.Dense(4), "mixed_float16")
+    x = jnp.ones((2, 3))
+    params = model.init(jax.random.key(0), x)["params"]
+    tx = optax.sgd(0.1)
+
+    def loss_fn(p, s, b, r):
+        return jnp.mean(model.apply({"params": p}, b)), (s, {})
+
+    def run(**kw):
+        state = jamp.TrainState.create(params, tx, **kw)
+        jax.jit(jamp.make_train_step(loss_fn, tx))(state, x, jax.random.key(0))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(loss_scale=jamp.loss_scale_for("mixed_float16"))
+        assert not caught
+        run()
+        run()
+    (warning,) = caught
+    assert "without a loss scale" in str(warning.message)
+    assert "jamp.loss_scale_for(policy)" in str(warning.message)
+
+
+def test_bare_loss_gets_one_line_saying_what_loss_fn_returns():
+    params = {"w": jnp.ones(3)}
+    tx = optax.sgd(0.1)
+    step = jamp.make_train_step(lambda p, s, b, r: jnp.sum(p["w"] * b), tx)
+    with pytest.raises(
+        TypeError, match=r"loss_fn must return \(loss, \(new_model_state, metrics\)\)"
+    ):
+        step(jamp.TrainState.create(params, tx), jnp.ones(3), jax.random.key(0))

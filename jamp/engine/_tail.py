@@ -222,12 +222,15 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts, args, tail: set[int], keep_below: int)
     return [read(v) for v in jaxpr.outvars]
 
 
-def recompute_widened(fn: Callable) -> Callable:
+def recompute_widened(fn: Callable, on_trace: Callable | None = None) -> Callable:
     """`fn` with the tail after each large 16-bit widening recomputed in the backward (see the
-    module docstring); the same values and gradients."""
+    module docstring); the same values and gradients. `on_trace(jaxpr)`, if given, sees the
+    traced program of `fn` (e.g. to check its dtypes) each time it is traced."""
 
     def run(*args):
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        if on_trace is not None:
+            on_trace(closed.jaxpr)
         tail, smallest = find_tail(closed.jaxpr)
         flat = jax.tree.leaves(args)
         if tail:

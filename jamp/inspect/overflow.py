@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp import nnx as jamp_nnx
+from jamp.inspect._nnx_view import NnxView, is_nnx
 from jamp.wrap import Wrapped
 
 _CALL = "__call__"
@@ -114,21 +115,37 @@ def output_flags(tree, prefix=()) -> dict[str, jax.Array]:
     return flags
 
 
-def forward_nonfinite(model: nn.Module, variables, *args, **kwargs) -> ForwardNonfinite:
-    """Runs `model.apply(variables, *args, **kwargs)` once more, checking every module's output.
+def forward_nonfinite(model, *args, **kwargs) -> ForwardNonfinite:
+    """Runs the model once more on one batch, checking every module's output:
+    `forward_nonfinite(model, variables, *args)` for a linen model, `forward_nonfinite(model,
+    *args)` for an NNX one (it carries its variables).
 
     Args:
       model: a linen module or a `jamp.wrap`ped one (then the outputs checked are those the
-        policy's dtypes produced); or an object whose `apply(variables, *args, **kwargs)` runs a
-        `jamp.wrap`ped NNX model (the training program's view of one), whose submodules are
-        checked through `jamp.nnx.capturing_outputs` and named by attribute path.
-      variables: its variables (`{"params": ..., "batch_stats": ...}`); mutable collections are
-        updated in the re-run and thrown away.
-      *args, **kwargs: the call's arguments, e.g. `images, train=True, rngs={"dropout": key}`.
+        policy's dtypes produced); a `jamp.wrap`ped NNX model, as users hold it; or an object
+        whose `apply(variables, *args, **kwargs)` runs a `jamp.wrap`ped NNX model (the training
+        program's view of one). NNX submodules are checked through
+        `jamp.nnx.capturing_outputs` and named by attribute path.
+      *args: for linen (and an apply view), the variables (`{"params": ..., "batch_stats":
+        ...}`; mutable collections are updated in the re-run and thrown away), then the call's
+        arguments; for an NNX model, the call's arguments.
+      **kwargs: the call's keyword arguments, e.g. `train=True, rngs={"dropout": key}`.
 
     Returns:
       A `ForwardNonfinite` naming the modules whose outputs were not finite, in call order.
     """
+    held = model
+    if is_nnx(model):  # its state is read now, and passed to the re-run as arguments
+        view = _VIEWS.get(id(model))
+        if view is None or view[0] is not model:
+            _VIEWS.clear()
+            view = _VIEWS[id(model)] = (model, NnxView(model))
+        model = view[1]
+        variables = NnxView(held).variables
+    else:
+        if not args:
+            raise TypeError("forward_nonfinite(model, variables, *args): variables are missing")
+        variables, args = args[0], args[1:]
     dynamic, static = _split_kwargs(kwargs)
     key: Hashable = (static, jax.tree.structure((variables, args, dynamic)))
     try:
@@ -136,7 +153,7 @@ def forward_nonfinite(model: nn.Module, variables, *args, **kwargs) -> ForwardNo
     except TypeError:  # an unhashable static argument: its text tells calls apart as well
         key = repr(key)
     cached = _COMPILED.get(key)
-    if cached is None or cached[0] is not model:  # one compile per model and call signature
+    if cached is None or cached[0] is not held:  # one compile per model and call signature
         if isinstance(model, nn.Module):
             inner = model.module if isinstance(model, Wrapped) else model
             order = _call_order(inner, variables, args, dynamic, static)
@@ -146,7 +163,7 @@ def forward_nonfinite(model: nn.Module, variables, *args, **kwargs) -> ForwardNo
             check = jax.jit(functools.partial(_check_nnx, model, static, order))
         if len(_COMPILED) >= 8:  # a few signatures at a time; forget the oldest
             _COMPILED.pop(next(iter(_COMPILED)))
-        cached = _COMPILED[key] = (model, order, check)
+        cached = _COMPILED[key] = (held, order, check)
     _, order, check = cached
     out_finite, flags = jax.device_get(check(variables, args, dynamic))
     rank = {path: i for i, path in enumerate(order)}
@@ -155,6 +172,7 @@ def forward_nonfinite(model: nn.Module, variables, *args, **kwargs) -> ForwardNo
 
 
 _COMPILED: dict = {}
+_VIEWS: dict = {}  # id -> (an NNX model, its NnxView): one graph per model, for the cache
 
 
 def _check_nnx(model, static, order, variables, args, dynamic):

@@ -39,6 +39,7 @@ import numpy as np
 
 from jamp import nnx as jamp_nnx
 from jamp.inspect import _paths
+from jamp.inspect._nnx_view import NnxView, is_nnx
 from jamp.inspect._text import format_table
 
 __all__ = ["ModuleRange", "Ranges", "range_report"]
@@ -171,8 +172,7 @@ def _grad_stats(grads, scale: float, dtype) -> dict[str, dict[str, jax.Array]]:
 
 
 def range_report(
-    model: nn.Module,
-    variables,
+    model,
     *inputs,
     loss_fn: Optional[Callable] = None,
     loss_scale: Any = 1.0,
@@ -181,16 +181,21 @@ def range_report(
 ) -> Ranges:
     """Per-module magnitudes of activations and scaled gradients on one batch, against `dtype`.
 
+    `range_report(model, variables, *inputs, ...)` for a linen model, `range_report(model,
+    *inputs, ...)` for an NNX one (it carries its variables).
+
     Args:
-      model: a linen module (`jamp.wrap`ped or not), or any object whose
-        `apply(variables, *inputs, **apply_kwargs)` runs a `jamp.wrap`ped NNX model (the
-        training program's view of one); its submodules' outputs are read with
-        `jamp.nnx.capturing_outputs` and named by attribute path.
-      variables: its variables, `{"params": ..., **other collections}`.
-      *inputs: the batch's model inputs, as `model.apply(variables, *inputs)` takes them.
-      loss_fn: `loss_fn(params) -> loss` (or `(loss, aux)`), the loss on this batch as a
-        function of the parameters; the gradients of `loss_scale * loss` are checked. None:
-        activations only.
+      model: a linen module (`jamp.wrap`ped or not); a `jamp.wrap`ped NNX model, as users hold
+        it; or any object whose `apply(variables, *inputs, **apply_kwargs)` runs a
+        `jamp.wrap`ped NNX model (the training program's view of one). NNX submodules' outputs
+        are read with `jamp.nnx.capturing_outputs` and named by attribute path.
+      *inputs: for linen (and an apply view), its variables (`{"params": ..., **other
+        collections}`), then the batch's model inputs, as `model.apply(variables, *inputs)`
+        takes them; for an NNX model, the inputs of `model(*inputs)`.
+      loss_fn: the loss on this batch, `loss_fn(params) -> loss` (or `(loss, aux)`) for linen,
+        `loss_fn(model) -> loss` for an NNX model (as `nnx.grad` takes it); the gradients of
+        `loss_scale * loss` with respect to the parameters are checked. None: activations
+        only.
       loss_scale: a number, or a loss scale object (`state.loss_scale`).
       dtype: the format to check against (float16: max 65504, smallest subnormal 2^-24).
       **apply_kwargs: passed to `model.apply` (`train=True`, `rngs=`, `mutable=[...]`).
@@ -206,6 +211,20 @@ def range_report(
           loss_fn=lambda p: loss_fn(p, state.model_state, batch, rng)[0],
           loss_scale=state.loss_scale, train=True, mutable=list(state.model_state))
     """
+    if is_nnx(model):  # its variables are read now and passed to the jitted re-run
+        view = NnxView(model)
+        variables = view.variables
+        if loss_fn is not None:
+            model_loss = loss_fn
+
+            def loss_fn(params, rest=None):  # the NNX loss of the model with these params
+                return model_loss(view.merge({"params": params, "rest": rest}))
+
+        model = view
+    else:
+        if not inputs:
+            raise TypeError("range_report(model, variables, *inputs): variables are missing")
+        variables, inputs = inputs[0], inputs[1:]
     scale = _scale_value(loss_scale)
     mutable = apply_kwargs.pop("mutable", False)
     collections = True if mutable is True else list(mutable or []) + ["intermediates"]
@@ -228,11 +247,16 @@ def range_report(
             return acts, {}
 
         def scaled_loss(params):
-            loss = loss_fn(params)
+            if isinstance(model, NnxView):
+                loss = loss_fn(params, variables["rest"])
+            else:
+                loss = loss_fn(params)
             loss = loss[0] if isinstance(loss, tuple) else loss
             return jnp.asarray(loss, jnp.float32) * scale
 
         grads = jax.grad(scaled_loss)(variables["params"])
+        if isinstance(model, NnxView):  # an nnx.State: its nested dict of values
+            grads = grads.to_pure_dict()
         return acts, _grad_stats(grads, scale, dtype)
 
     calls = _paths.ModuleCalls()  # module paths in call order: dicts come back key-sorted

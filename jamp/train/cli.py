@@ -21,11 +21,14 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
+import re
 import sys
 from typing import Any, NoReturn
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from jamp.train import cli_help
 
 _PACKAGE = pathlib.Path(__file__).resolve().parent.parent  # jamp/
 # An install carries the recipes as jamp/configs/ (pyproject.toml maps the checkout's configs/).
@@ -155,15 +158,57 @@ def _parse_flags(argv: list[str]) -> list[str]:
     except flags.Error as e:
         if "Error whilst parsing config file" in str(e):  # get_config() raised; reason comes last
             _fail(f"cannot load the config: {_one_line(e, last=True)}")
-        _fail(_one_line(e))
+        _fail(_one_line(e) + _flag_hint(str(e)))
     except (KeyError, AttributeError) as e:  # an override of a field the recipe does not have
-        name = _one_line(e)  # ml_collections names the last part only: the full path is nicer
-        paths = [a[len("--config.") :].split("=")[0] for a in argv if a.startswith("--config.")]
-        field = next((path for path in paths if name in path.split(".")), name)
-        _fail(f"unknown config field {field}; see the recipe file for the fields it has")
+        _unknown_field(e, argv)
     except Exception as e:  # a recipe that fails to load or a bad override value
         # ml_collections puts the reason a recipe failed to load (e.g. no such file) last.
         _fail(f"cannot load the config: {_one_line(e, last='Failed loading' in str(e))}")
+
+
+def _unknown_field(e: Exception, argv: list[str]) -> NoReturn:
+    found = cli_help.field_error(e)
+    name, _, hint = found.partition(" ")
+    # ml_collections names the last part only: the full path, as given, is nicer
+    paths = [a[len("--config.") :].split("=")[0] for a in argv if a.startswith("--config.")]
+    field = next((path for path in paths if name in path.split(".")), name)
+    _fail(
+        f"unknown config field {field}{' ' + hint if hint else ''}; "
+        "see the recipe file (or --help) for the fields it has"
+    )
+
+
+def _flag_hint(message: str) -> str:
+    """' (did you mean --config.policy?)' for an unknown flag close to a recipe field or a flag."""
+    match = re.search(r"Unknown command line flag '([^']+)'", message)
+    if not match or "Did you mean" in message:  # absl found one among its own flags
+        return ""
+    name = match.group(1)
+    try:
+        fields = [f"config.{k}" for k in cli_help.recipe_config(str(DEFAULT_CONFIG))]
+    except Exception:  # the hint is a courtesy: no recipe to read, no hint
+        fields = []
+    candidates = {f.rsplit(".", 1)[-1]: f for f in fields}
+    candidates.update({f: f for f in (*fields, *flags.FLAGS)})
+    found = cli_help.did_you_mean(name, candidates)
+    return f" (did you mean --{candidates[found]}?)" if found else ""
+
+
+def _help(argv: list[str]) -> None:
+    """--help / -h: the recipe's fields and the policies, then exit 0."""
+    from jamp.precision import PRESETS
+
+    recipe = str(DEFAULT_CONFIG)
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            recipe = arg[len("--config=") :]
+        elif arg == "--config" and i + 1 < len(argv):
+            recipe = argv[i + 1]
+    try:
+        print(cli_help.help_text(recipe, recipe_names(), PRESETS))
+    except Exception as e:  # a recipe that does not load: say so, as a run would
+        _fail(f"cannot load the config: {_one_line(e, last=True)}")
+    sys.exit(0)
 
 
 def _initialize_distributed() -> None:
@@ -249,10 +294,12 @@ def _plan(config, workdir) -> None:
 
 def run() -> None:
     sys.argv = _resolve_recipe_args(sys.argv)  # before ml_collections reads the recipe
+    if any(arg in cli_help.HELP_FLAGS for arg in sys.argv[1:]):
+        _help(sys.argv[1:])
     try:
         config, workdir = _define_flags()
     except (KeyError, AttributeError) as e:  # ml_collections' way of saying "no such field"
-        _fail(f"unknown config field {_one_line(e)}; see the recipe file for the fields it has")
+        _unknown_field(e, sys.argv)
     except Exception as e:
         _fail(f"cannot load the config: {_one_line(e)}")
     app.run(functools.partial(main, config=config, workdir=workdir), flags_parser=_parse_flags)

@@ -219,26 +219,27 @@ def parse_config(config: ml_collections.ConfigDict, devices=None):
 
 
 def _param_rounding(config, policy) -> str:
-    """The params' rounding mode ("auto" resolved: stochastic, or nearest for float16 params),
-    checked against the policy's params dtype."""
+    """The params' rounding mode ("auto" resolved: stochastic), checked against the policy's
+    params dtype (float16 params are refused)."""
     mode = config.get("param_rounding", "auto")
     if mode not in PARAM_ROUNDINGS:
         raise ConfigError(
             f"unknown param_rounding {mode!r}; accepted: {', '.join(PARAM_ROUNDINGS)}"
         )
     dtype = np.dtype(policy.param_dtype)
+    if dtype == np.float16:
+        # float16's range, not its precision, fails weights: the program trains none in it.
+        raise ConfigError(
+            f"policy {config.policy!r} stores params in float16, which the program refuses "
+            "(a bare dtype name sets all three dtypes, as in jmp): did you mean "
+            "'mixed_float16' (float32 params, float16 compute)?"
+        )
     if mode == "auto":
-        return "nearest" if dtype == np.float16 else "stochastic"
+        return "stochastic"
     if mode == "kahan" and dtype != np.dtype(jnp.bfloat16):
         raise ConfigError(
             f"param_rounding=kahan compensates the rounding of bfloat16 params, but policy "
             f"{config.policy!r} stores them in {dtype.name}: add ',params=bf16' to the policy"
-        )
-    if mode == "stochastic" and dtype == np.float16:
-        raise ConfigError(
-            f"policy {config.policy!r} stores params in float16, which stochastic rounding does "
-            "not take (float16's range, not its precision, fails weights): store them in "
-            "bfloat16 (',params=bf16') or float32, or pass --config.param_rounding=nearest"
         )
     return mode
 

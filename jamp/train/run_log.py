@@ -81,8 +81,7 @@ def hardware_notes(spec, policy) -> dict:
         native = {True: "native", False: "emulated", None: "unknown"}[support.native]
         lowering = hardware.matmul_lowering(compute)
         rows["hardware"] = f"{compute.name} {native} on {support.device}; {lowering} matmuls"
-    if warning:
-        rows["warning"] = warning.removeprefix("warning: ")
+    # (the warning is printed once, above: the summary's hardware row says "emulated")
     return rows
 
 
