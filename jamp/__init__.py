@@ -30,7 +30,8 @@ The public API, all documented in the README:
   `Target`, `GPUS`, `TargetUnavailable`).
 """
 
-from jamp import (
+from jamp import (  # noqa: F401 (_startup first: it loads JAX, see the module)
+    _startup,
     adaptive,
     fp8,
     hardware,

@@ -44,6 +44,7 @@ PUBLIC = {
 
 # Imports point downward only: a module may import jamp modules of a strictly lower rank.
 RANK = {
+    "_startup": -3,  # what import jamp does before JAX loads: beneath everything
     "jax_compat": -1,  # below mixed_ops, which calls its convolution transposes
     "precision": 0.75,  # above fp8, whose marker dtype fp8 policies autocast to
     "fp8": 0.5,  # above mixed_ops, whose backward dimension numbers it shares
