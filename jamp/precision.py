@@ -62,8 +62,9 @@ DTYPE_NAMES = ("float32", "f32", "full", "float16", "f16", "half", "bfloat16", "
 _ALLOWED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 _ACCEPTED = (
     "Accepted: a preset (" + ", ".join(PRESETS) + "), 'auto', a dtype name for all three dtypes "
-    "(f32, bf16, f16, ...) or key=dtype pairs such as 'p=f32,c=bf16,o=f32' (the grammar: "
-    "jamp.get_policy, docs/guides/policies.md)."
+    "(f32, bf16, f16, ...) or key=dtype pairs such as 'p=f32,c=bf16,o=f32' (keys p/params, "
+    "c/compute, o/output, r/reduce, m/matmul; the grammar: jamp.get_policy, "
+    "docs/guides/policies.md)."
 )
 # What users type for the presets (PyTorch's and the prose's names): suggested, not taken, since
 # jmp's grammar gives a bare dtype name ("bf16") its own meaning, all three dtypes.

@@ -460,7 +460,7 @@ def test_dynamic_defaults():
         (dict(growth_interval=2.5), "growth_interval"),
         (dict(growth_interval=True), "growth_interval"),
         (dict(hysteresis=0), "hysteresis"),
-        (dict(hysteresis=1.0), "hysteresis"),
+        (dict(hysteresis=1.5), "hysteresis"),  # a whole float (jmp's period=5.) is taken
         (dict(growth_factor=1.0), "growth_factor"),
         (dict(backoff_factor=1.0), "backoff_factor"),
         (dict(backoff_factor=0.0), "backoff_factor"),
