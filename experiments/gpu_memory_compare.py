@@ -77,9 +77,15 @@ def _rows_table(before: dict, after: dict, part: str) -> list[str]:
 
         def largest(row):
             found = row.get("largest") or {}
-            return str(found.get("batch", "")) if found else ""
+            batch = found.get("batch") if found else None
+            return "" if not found else ("none" if batch is None else str(batch))
 
         big = f"{largest(o)} -> {largest(r)}" if largest(r) else ""
+        if o == r:  # a row this run left as it was (e.g. a part rerun for one policy only)
+            lines.append(
+                f"| {r['label']} | {r['batch']} | not rerun: {r['temp'] / GIB:.2f} | | | |"
+            )
+            continue
         lines.append(
             f"| {r['label']} | {r['batch']} | {o['temp'] / GIB:.2f} -> {r['temp'] / GIB:.2f} | "
             f"{o['peak'] / GIB:.2f} -> {r['peak'] / GIB:.2f} | {_split(o['by_dtype'])} -> "
