@@ -55,9 +55,27 @@ CHUNK_ELEMENTS = 1 << 27
 _REDUCTIONS = ("mean", "sum")
 
 
-def _log_normalizer(x):
-    top = jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
-    return jnp.log(jnp.sum(jnp.exp(x - top), axis=-1)) + top[..., 0]
+def _combine(a, b):
+    """Two partial (maximum, sum of exp(x - maximum), label's logit) of a row, merged: one
+    exponential per merge, none where a side is still empty (its maximum -inf)."""
+    (m_a, s_a, p_a), (m_b, s_b, p_b) = a, b
+    top = m_a >= m_b
+    m = jnp.where(top, m_a, m_b)
+    low = jnp.where(top, m_b, m_a)
+    e = jnp.where(low == -jnp.inf, 0.0, jnp.exp(low - m))
+    s = jnp.where(top, s_a + s_b * e, s_a * e + s_b)
+    return m, s, p_a + p_b
+
+
+def _row_stats(x, hit):
+    """Per row of float32 `x`: (maximum, log-sum-exp, the logit where `hit`), in one pass over
+    `x` (an online softmax, as Liger Kernel's and FlashAttention's): one read of the logits where
+    max, then sum of exp, then the label's logit would take three."""
+    ones = jnp.ones_like(x)
+    picked = jnp.where(hit, x, 0.0)
+    init = (jnp.array(-jnp.inf, _F32), jnp.array(0.0, _F32), jnp.array(0.0, _F32))
+    m, s, p = lax.reduce((x, ones, picked), init, _combine, (x.ndim - 1,))
+    return m, jnp.log(s) + m, p
 
 
 def _onehot(labels, vocab):
@@ -70,9 +88,7 @@ def _xent(logits, labels):
 
 
 def _forward(logits, labels):
-    x = logits.astype(_F32)
-    lse = _log_normalizer(x)
-    picked = jnp.sum(jnp.where(_onehot(labels, x.shape[-1]), x, 0.0), axis=-1)
+    _, lse, picked = _row_stats(logits.astype(_F32), _onehot(labels, logits.shape[-1]))
     return lse - picked, (logits, labels, lse)
 
 
@@ -116,11 +132,10 @@ def _chunk(h_c, kernel, y_c, w_c, dtype):
     weighted loss sum and weighted count of labels whose logit is the largest."""
     logits = mixed_ops.product(h_c, kernel, (((1,), (0,)), ((), ())), dtype)
     x = logits.astype(_F32)
-    lse = _log_normalizer(x)
     hit = _onehot(y_c, x.shape[-1])
-    picked = jnp.sum(jnp.where(hit, x, 0.0), axis=-1)
-    top = jnp.any(hit, axis=-1) & (picked >= jnp.max(x, axis=-1))
-    return x, lse, jnp.sum(w_c * (lse - picked)), jnp.sum(jnp.where(top, w_c, 0.0))
+    top, lse, picked = _row_stats(x, hit)
+    correct = jnp.any(hit, axis=-1) & (picked >= top)
+    return x, lse, jnp.sum(w_c * (lse - picked)), jnp.sum(jnp.where(correct, w_c, 0.0))
 
 
 def _chunks(h, y, w, size):
@@ -128,8 +143,18 @@ def _chunks(h, y, w, size):
     return h.reshape(n, size, h.shape[1]), y.reshape(n, size), w.reshape(n, size)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _linear_xent(h, kernel, y, w, size, dtype, grad_dtypes):
+def _folds_scale(dtype) -> bool:
+    """Whether the loss's normalizer may multiply the per-logit gradients before they are rounded
+    to `dtype`: where `dtype` has float32's exponent range (bfloat16, float32). A float16 chunk
+    would hold 1/positions below its normal range for a large batch, so there the normalizer
+    waits for the float32 results."""
+    return jnp.finfo(dtype).maxexp >= jnp.finfo(_F32).maxexp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _linear_xent(h, kernel, y, w, norm, size, dtype, grad_dtypes):
+    """(sum of the weighted losses x norm, sum of the weights of the positions whose label's
+    logit is the largest x norm); `norm` a float32 scalar."""
     del grad_dtypes
     k = kernel.astype(dtype)
 
@@ -139,38 +164,60 @@ def _linear_xent(h, kernel, y, w, size, dtype, grad_dtypes):
         return (sums[0] + loss, sums[1] + correct), None
 
     zero = jnp.zeros((), _F32)
-    sums, _ = lax.scan(body, (zero, zero), _chunks(h, y, w, size))
-    return sums
+    (total, correct), _ = lax.scan(body, (zero, zero), _chunks(h, y, w, size))
+    return total * norm, correct * norm
 
 
-def _linear_xent_fwd(h, kernel, y, w, size, dtype, grad_dtypes):
+def _linear_xent_fwd(h, kernel, y, w, norm, size, dtype, grad_dtypes):
     del grad_dtypes
     k = kernel.astype(dtype)
+    folded = _folds_scale(dtype)
+    hs, ys, ws = _chunks(h, y, w, size)
 
-    def body(carry, xs):
-        total, correct, d_kernel = carry
-        h_c, y_c, w_c = xs
+    def one(i):
+        """Chunk `i`'s loss and hit sums, its hidden states' gradient (float32) and its share of
+        the kernel's (float32)."""
+        h_c, y_c, w_c = (lax.dynamic_index_in_dim(a, i, keepdims=False) for a in (hs, ys, ws))
         h_c = h_c.astype(dtype)
         x, lse, loss, hits = _chunk(h_c, k, y_c, w_c, dtype)
-        # d loss / d logits, per position: softmax minus the label's one-hot (in [-1, 1], safe in
-        # 16 bits), times its weight; the weights' scale and the incoming gradient come later,
-        # in float32, so that a float16 chunk never holds a value below its range.
-        d = (jnp.exp(x - lse[:, None]) - _onehot(y_c, x.shape[-1])) * w_c[:, None]
+        # d loss / d logits, per position: softmax minus the label's one-hot (in [-1, 1]), times
+        # its weight (and, where `dtype`'s range allows, the normalizer; else it comes later in
+        # float32, so that a float16 chunk never holds a value below its range).
+        scale = w_c * norm if folded else w_c
+        d = (jnp.exp(x - lse[:, None]) - _onehot(y_c, x.shape[-1])) * scale[:, None]
         d = d.astype(dtype)
         d_h = mixed_ops.product(d, k, (((1,), (1,)), ((), ())), _F32)
-        d_kernel = d_kernel + mixed_ops.product(h_c, d, (((0,), (0,)), ((), ())), _F32)
-        return (total + loss, correct + hits, d_kernel), d_h
+        d_kernel = mixed_ops.product(h_c, d, (((0,), (0,)), ((), ())), _F32)
+        return loss, hits, d_kernel, d_h
 
-    init = (jnp.zeros((), _F32), jnp.zeros((), _F32), jnp.zeros(kernel.shape, _F32))
-    (total, correct, d_kernel), d_h = lax.scan(body, init, _chunks(h, y, w, size))
-    return (total, correct), (d_h.reshape(h.shape), d_kernel)
+    # The first chunk outside the loop: its results start the sums (no zeroed float32 kernel-
+    # sized accumulator to write and read back).
+    total, correct, d_kernel, d_h0 = one(0)
+    d_h = jnp.zeros(hs.shape, _F32).at[0].set(d_h0)
+
+    def body(carry, i):
+        total, correct, d_kernel, d_h = carry
+        loss, hits, d_k, d_h_c = one(i)
+        d_h = lax.dynamic_update_index_in_dim(d_h, d_h_c, i, 0)
+        return (total + loss, correct + hits, d_kernel + d_k, d_h), None
+
+    if hs.shape[0] > 1:
+        (total, correct, d_kernel, d_h), _ = lax.scan(
+            body, (total, correct, d_kernel, d_h), jnp.arange(1, hs.shape[0])
+        )
+    if not folded:
+        d_h, d_kernel = d_h * norm, d_kernel * norm
+    return (total * norm, correct * norm), (d_h.reshape(h.shape), d_kernel)
 
 
 def _linear_xent_bwd(size, dtype, grad_dtypes, residuals, cotangents):
     del size, dtype
-    g = cotangents[0]  # the count of correct labels has no gradient
+    # Only the loss has a gradient (not the count of correct labels, nor the weights and their
+    # normalizer, which are held constant). A cotangent that is the constant 1 (the loss itself
+    # differentiated) leaves no multiply in the program.
+    g = cotangents[0]
     (d_h, d_kernel), (h_dtype, kernel_dtype) = residuals, grad_dtypes
-    return (d_h * g).astype(h_dtype), (d_kernel * g).astype(kernel_dtype), None, None
+    return (d_h * g).astype(h_dtype), (d_kernel * g).astype(kernel_dtype), None, None, None
 
 
 _linear_xent.defvjp(_linear_xent_fwd, _linear_xent_bwd)
@@ -213,7 +260,7 @@ def fused_linear_cross_entropy(
         weighted sum by their sum.
       reduction: "mean" (default) or "sum".
       chunk_size: positions per chunk; by default as many as keep a chunk's logits near
-        `CHUNK_ELEMENTS` (2^25) elements.
+        `CHUNK_ELEMENTS` (2^27) elements.
       dtype: the matmuls' operand dtype; by default `hidden`'s (bfloat16 hidden states from a
         wrapped model: a bfloat16 head).
       return_accuracy: also return the fraction (or with "sum", the count) of positions whose
@@ -247,19 +294,18 @@ def fused_linear_cross_entropy(
     y = labels.reshape(-1)
     w = weights.reshape(-1)
     size = _chunk_size(max(h.shape[0], 1), vocab, chunk_size)
-    pad = -h.shape[0] % size
+    pad = -h.shape[0] % size if h.shape[0] else size
     if pad:  # padded positions weigh nothing
         h = jnp.pad(h, ((0, pad), (0, 0)))
         y = jnp.pad(y, (0, pad))
         w = jnp.pad(w, (0, pad))
     compute = np.dtype(dtype if dtype is not None else hidden.dtype)
     grad_dtypes = (np.dtype(hidden.dtype), np.dtype(kernel.dtype))
+    w = lax.stop_gradient(w)
+    # "mean" divides by the weights' sum inside: the gradients are formed already divided.
+    norm = 1.0 / jnp.sum(w) if reduction == "mean" else jnp.ones((), _F32)
     with jax.named_scope(SCOPE):
-        total, correct = _linear_xent(
-            h, kernel, y, lax.stop_gradient(w), size, compute, grad_dtypes
-        )
-    if reduction == "mean":
-        total, correct = total / jnp.sum(w), correct / jnp.sum(w)
+        total, correct = _linear_xent(h, kernel, y, w, norm, size, compute, grad_dtypes)
     return (total, lax.stop_gradient(correct)) if return_accuracy else total
 
 
