@@ -8,7 +8,7 @@ absl::InitializeLog() is called are written to STDERR", three times each with JA
 machine with no GPU to miss they are noise, and they come before a program's own first line
 (e.g. its one-line error). `load_jax()` imports JAX with those lines dropped; anything else
 written to stderr meanwhile is passed on. With a driver, or with JAX already imported, it does
-nothing.
+nothing. `start_backends()` does the same for the backends' start.
 """
 
 from __future__ import annotations
@@ -57,6 +57,20 @@ def load_jax() -> None:
         import jax  # noqa: F401
 
 
+def start_backends() -> None:
+    """Starts JAX's backends (`jax.devices()`) without the CUDA plugin's log where no NVIDIA
+    driver is present: some JAX releases (0.10.0) write "Could not find cuda drivers" when the
+    backends start rather than on import. For a program that has set up what the backends read
+    (flags, distributed initialisation) and is about to use them anyway."""
+    import jax
+
+    if has_nvidia_driver():
+        jax.devices()
+        return
+    with native_stderr_without(NOISE):
+        jax.devices()
+
+
 load_jax()  # on import: `import jamp` imports this module before any that imports JAX
 
-__all__ = ["NOISE", "has_nvidia_driver", "load_jax", "native_stderr_without"]
+__all__ = ["NOISE", "has_nvidia_driver", "load_jax", "native_stderr_without", "start_backends"]

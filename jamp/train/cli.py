@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from jamp import _startup
 from jamp.train import cli_help
 
 _PACKAGE = pathlib.Path(__file__).resolve().parent.parent  # jamp/
@@ -264,6 +265,7 @@ def main(argv: list[str], config, workdir) -> None:
     except Exception as e:  # ml_collections defers a missing or broken recipe to first use
         _fail(f"cannot load the config file: {_one_line(e, last=True)}")
     _initialize_distributed()
+    _startup.start_backends()  # without the CUDA plugin's log where there is no GPU
     try:
         loop.train_and_evaluate(resolved, workdir.value)
     except (loop.ConfigError, DataError, CheckpointError) as e:
@@ -286,6 +288,7 @@ def _plan(config, workdir) -> None:
         _fail(f"cannot load the config file: {_one_line(e, last=True)}")
     target = _COMPILE_FOR.value
     assert target is not None  # main() plans only when --compile_for is given
+    _startup.start_backends()
     try:
         plan.run_plan(resolved, target, workdir.value, _SEARCH_BATCH.value)
     except (ConfigError, DataError, TargetUnavailable) as e:
