@@ -391,6 +391,55 @@ def test_profile_steps_pmapped_step_counts_its_all_reduce():
     assert MIN_FRACTION <= prof.attributed_fraction <= 1.02, prof.table()
 
 
+def test_profile_steps_nnx_jit_step_updates_the_model_in_place():
+    """An NNX user's own step (`@nnx.jit def train_step(model, optimizer, batch)`, returning the
+    loss) profiled with the objects as the state: the model is trained in place, each step's
+    batch drawn once, the matmuls found per NNX attribute path."""
+    from flax import nnx
+
+    class Mlp(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(256, 512, rngs=rngs)
+            self.out = nnx.Linear(512, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(jax.nn.relu(self.hidden(x)))
+
+    model = jamp.wrap(Mlp(nnx.Rngs(0)), "mixed_bfloat16")
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, batch):
+        def loss_fn(m):
+            logits = m(batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    _, _, _, batch = _setup("float32", batch_size=1024)
+    before = np.asarray(model.hidden.kernel[...])
+    drawn = []
+
+    def batches():
+        while True:
+            drawn.append(1)
+            yield batch
+
+    def run():
+        state, prof = profile_lib.profile_steps(train_step, (model, optimizer), batches(), 4)
+        assert state[0] is model and state[1] is optimizer
+        return prof
+
+    prof = _best_of(run)
+    assert len(drawn) >= 5 and int(optimizer.step[...]) == len(drawn)
+    assert not np.array_equal(before, np.asarray(model.hidden.kernel[...]))
+    matmuls = {r.module for r in prof.rows if r.op_class.startswith("matmul")}
+    assert matmuls == {"hidden", "out"}, prof.table()
+    assert MIN_FRACTION <= prof.attributed_fraction <= 1.02, prof.table()
+
+
 def test_profile_hlo_unnamed_instruction_takes_its_neighbours_module():
     # XLA:CPU rewrites an fp16 convolution in fp32 and drops its name stack; the convert of its
     # result back (jamp's cast in the same module) names it.

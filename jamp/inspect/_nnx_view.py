@@ -18,6 +18,21 @@ def is_nnx(model: Any) -> bool:
     return isinstance(model, nnx.Module)
 
 
+def nnx_objects(state: Any) -> tuple | None:
+    """The NNX objects an `nnx.jit` train step takes before its batch (`train_step(model,
+    optimizer, batch)`, which updates them in place), where `state` is one (a model, an
+    `nnx.Optimizer`) or a tuple of them; else None (a functional step's state)."""
+    objects = tuple(state) if isinstance(state, (tuple, list)) else (state,)
+    if objects and all(nnx.graph.is_graph_node(o) for o in objects):
+        return objects
+    return None
+
+
+def state_of(objects: tuple) -> list:
+    """The arrays `objects` (from `nnx_objects`) hold, to wait for."""
+    return [nnx.state(o) for o in objects]
+
+
 class NnxView:
     """`model` (an `nnx.Module`) as `apply(variables, *args, **kwargs)`; `variables` its state."""
 
@@ -35,4 +50,4 @@ class NnxView:
         return self.merge(variables)(*args, **kwargs)
 
 
-__all__ = ["NnxView", "is_nnx"]
+__all__ = ["NnxView", "is_nnx", "nnx_objects", "state_of"]

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable
 
 import jax
 
+from jamp.inspect._nnx_view import nnx_objects, state_of
 from jamp.inspect._profile_hlo import CLASSES, LOSS, UNMATCHED, UNNAMED, UPDATE, HloOps
 from jamp.inspect._profile_trace import attribute, read, timelines_of
 
@@ -276,8 +277,12 @@ def profile_steps(
     Args:
       step_fn: the jitted (`jax.jit`, `jamp.sharding`) or pmapped (`jamp.parallel`) step,
         called as `step_fn(state, batch, rng)` (`step_fn(state, batch)` if `rng` is None) and
-        returning `(state, metrics)`.
-      state: the state as `step_fn` takes it (replicated, sharded).
+        returning `(state, metrics)`; or an `nnx.jit` step of NNX objects, called as
+        `step_fn(*state, batch)` (`rng` after the batch, if given) and updating them in place,
+        returning its metrics (e.g. the loss).
+      state: the state as `step_fn` takes it (replicated, sharded); for an `nnx.jit` step, the
+        NNX objects it takes before the batch (a model, or a tuple such as `(model,
+        optimizer)`), returned as they are, updated.
       batches: yields batches as `step_fn` takes them; exactly one is drawn per step.
       num_steps: steps to profile (a few: every event of every step is kept in memory).
       rng: passed to every step, as the training loop does.
@@ -294,18 +299,40 @@ def profile_steps(
 
       state, prof = profile_steps(p_train_step, state, (shard(b) for b in it), 5, rng=rng)
       print(prof.table()); prof.save(workdir)   # profile.txt, profile.png, profile.json
+
+      # NNX: @nnx.jit def train_step(model, optimizer, batch): ...; return loss
+      _, prof = profile_steps(train_step, (model, optimizer), batches, 5)
     """
     if num_steps < 1:
         raise ValueError(f"num_steps must be at least 1, got {num_steps}")
     batches = iter(batches)
     extra = () if rng is None else (rng,)
+    objects = nnx_objects(state)
+    if objects is None:
+
+        def run(state, batch):
+            return step_fn(state, batch, *extra)
+
+        def lower(state, batch):
+            return step_fn.lower(state, batch, *extra)  # jitted / pmapped
+
+    else:  # an nnx.jit step: step_fn(model, optimizer, ..., batch) updates them in place
+
+        def run(state, batch):
+            return state, step_fn(*objects, batch, *extra)
+
+        def lower(state, batch):
+            return step_fn.lower(*objects, batch, *extra)  # nnx.jit's
+
+    def ready(state, metrics=None):
+        jax.block_until_ready((state if objects is None else state_of(objects), metrics))
+
     for _ in range(warmup_steps):
-        state, metrics = step_fn(state, next(batches), *extra)
-    jax.block_until_ready(state)
+        state, metrics = run(state, next(batches))
+    ready(state)
     first = next(batches)
     if hlo_text is None:
-        lowered = step_fn.lower(state, first, *extra)  # type: ignore[attr-defined]  # jitted / pmapped
-        hlo_text = lowered.compile().as_text()
+        hlo_text = lower(state, first).compile().as_text()
     with tempfile.TemporaryDirectory(prefix="jamp-profile-") as scratch:
         where = pathlib.Path(logdir) if logdir is not None else pathlib.Path(scratch)
         jax.profiler.start_trace(str(where), profiler_options=_options())
@@ -313,10 +340,10 @@ def profile_steps(
             start = time.perf_counter()
             batch = first
             for i in range(num_steps):
-                state, metrics = step_fn(state, batch, *extra)
+                state, metrics = run(state, batch)
                 if i + 1 < num_steps:
                     batch = next(batches)
-            jax.block_until_ready((state, metrics))
+            ready(state, metrics)
             elapsed = time.perf_counter() - start
         finally:
             jax.profiler.stop_trace()
