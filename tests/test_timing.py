@@ -64,18 +64,28 @@ _PROGRAM = """HloModule jit_step
   ROOT %e_fused_exp = f32[4,1024]{1,0} exponential(%p0_fused_exp)
 }
 
+%dynamic-slice-fusion (p0: bf16[4,64,32], p1: bf16[32,128]) -> (f32[64,128], s8[1024]) {
+  %p0_dsf = bf16[4,64,32]{2,1,0} parameter(0)
+  %slice_dsf = bf16[1,64,32]{2,1,0} slice(%p0_dsf), slice={[1:2], [0:64], [0:32]}
+  %bitcast_dsf = bf16[64,32]{1,0} bitcast(%slice_dsf)
+  %p1_dsf = bf16[32,128]{1,0} parameter(1)
+  ROOT %cublas_dsf = (f32[64,128]{1,0}, s8[1024]{0}) custom-call(%bitcast_dsf, %p1_dsf), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(step)/jvp(loss)/dot_general"}, backend_config={"gemm_backend_config":{"alpha_real":1,"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+}
+
 %cond (c: (s32[], f32[4,1024])) -> pred[] {
   %c_cond = (s32[], f32[4,1024]) parameter(0)
   ROOT %p_cond = pred[] constant(true)
 }
 
-ENTRY %main (a: bf16[64,32], b: bf16[32,128], x: f32[4,1024], big: f32[1000,256], u: f32[1,256], i: s32[]) -> f32[4] {
+ENTRY %main (a: bf16[64,32], b: bf16[32,128], x: f32[4,1024], big: f32[1000,256], u: f32[1,256], i: s32[], a4: bf16[4,64,32]) -> f32[4] {
   %a = bf16[64,32]{1,0} parameter(0)
   %b = bf16[32,128]{1,0} parameter(1)
   %x = f32[4,1024]{1,0} parameter(2)
   %big = f32[1000,256]{1,0} parameter(3)
   %u = f32[1,256]{1,0} parameter(4)
   %i = s32[] parameter(5)
+  %a4 = bf16[4,64,32]{2,1,0} parameter(6)
+  %sliced_gemm = (f32[64,128]{1,0}, s8[1024]{0}) fusion(%a4, %b), kind=kCustom, calls=%dynamic-slice-fusion
   %gemm = bf16[64,128]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot, metadata={op_name="jit(step)/jvp(Wrapped.apply)/M/Dense_0/dot_general"}, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
   %row = f32[1024]{0} fusion(%x), kind=kLoop, calls=%fused_slice
   %upd = f32[1000,256]{1,0} fusion(%big, %u, %i), kind=kLoop, calls=%fused_update, metadata={op_name="jit(step)/add"}
@@ -90,7 +100,7 @@ ENTRY %main (a: bf16[64,32], b: bf16[32,128], x: f32[4,1024], big: f32[1000,256]
 
 def test_kernels_kinds_bytes_flops_and_loop_counts():
     found = {k.name: k for k in kernels(hlo.parse(_PROGRAM))}
-    assert set(found) == {"gemm", "row", "upd", "sum", "e_body", "copy"}
+    assert set(found) == {"gemm", "row", "upd", "sum", "e_body", "copy", "sliced_gemm"}
     gemm = found["gemm"]
     assert (gemm.kind, gemm.dtype, gemm.flops) == ("gemm", "bf16", 2 * 64 * 128 * 32)
     assert gemm.bytes == (64 * 32 + 32 * 128 + 64 * 128) * 2
@@ -103,6 +113,10 @@ def test_kernels_kinds_bytes_flops_and_loop_counts():
         3,
     )  # a loop body: 3 trips
     assert found["copy"].kind == "copy" and found["copy"].flops == 0
+    # cuBLAS inside XLA's dynamic slice fusion (reading one [64, 32] slice in place): a GEMM
+    sliced = found["sliced_gemm"]
+    assert (sliced.kind, sliced.dtype, sliced.flops) == ("gemm", "bf16", 2 * 64 * 128 * 32)
+    assert sliced.op_name == "jit(step)/jvp(loss)/dot_general"
 
 
 def test_estimate_is_a_roofline_per_kernel_plus_its_launch():

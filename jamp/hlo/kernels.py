@@ -227,6 +227,12 @@ def _kind(inst: Instruction, gemm: Optional[Gemm]) -> tuple[str, str]:
     return "other", op
 
 
+def _inner_gemm(program: Program, inst: Instruction, by_gemm: dict) -> Optional[Gemm]:
+    """The library GEMM a fusion wraps, where XLA put one inside (a "dynamic slice fusion":
+    cuBLAS reading a slice of its operand in place, one launch)."""
+    return next((by_gemm[i.name] for i in _body(program, inst) if i.name in by_gemm), None)
+
+
 def _kernel_computations(program: Program) -> dict[str, int]:
     """The computations whose instructions launch kernels (the entry, loop bodies and
     conditions, called computations, conditional branches), with their runs per program run."""
@@ -255,6 +261,8 @@ def kernels(program: Program, found_gemms: Optional[list[Gemm]] = None) -> list[
             if inst.op in _NO_KERNEL or inst.op.endswith("-done"):
                 continue
             gemm = by_gemm.get(inst.name)
+            if gemm is None and inst.op == "fusion":
+                gemm = _inner_gemm(program, inst, by_gemm)
             kind, detail = _kind(inst, gemm)
             flops, dtype = 0, ""
             if gemm is not None:
@@ -270,7 +278,7 @@ def kernels(program: Program, found_gemms: Optional[list[Gemm]] = None) -> list[
                     inst.name,
                     kind,
                     detail,
-                    inst.op_name,
+                    inst.op_name or (gemm.op_name if gemm is not None else ""),
                     nbytes,
                     flops,
                     dtype,
