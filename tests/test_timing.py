@@ -122,15 +122,15 @@ def test_kernels_kinds_bytes_flops_and_loop_counts():
 def test_estimate_is_a_roofline_per_kernel_plus_its_launch():
     rates = timing.Rates(launch=5e-6, memory=0.5, matmul=0.5, attention=0.5)
     est = timing.estimate(hlo.parse(_PROGRAM), H200, rates)
-    assert est.kernels == 8  # 5 in the entry, the loop body's fusion 3 times
+    assert est.kernels == 9  # 6 in the entry, the loop body's fusion 3 times
     per = {k.name: k for k in kernels(hlo.parse(_PROGRAM))}
     want = sum(
         (5e-6 + max(k.bytes / (H200.memory_bandwidth * 0.5), k.flops / (989.4e12 * 0.5))) * k.count
         for k in per.values()
     )
     assert est.seconds == pytest.approx(want)
-    assert est.launch_seconds == pytest.approx(8 * 5e-6)
-    assert sum(n for n, _ in est.by_kind.values()) == 8
+    assert est.launch_seconds == pytest.approx(9 * 5e-6)
+    assert sum(n for n, _ in est.by_kind.values()) == 9
     assert sum(s for _, s in est.by_kind.values()) == pytest.approx(est.seconds)
     top = {k.name: k for k in est.top}
     assert top["gemm"].path == "Dense_0" and not top["gemm"].backward
@@ -138,7 +138,7 @@ def test_estimate_is_a_roofline_per_kernel_plus_its_launch():
     assert top["row"].path == "(unnamed)"
     assert est.top[0].seconds >= est.top[-1].seconds
     text = "\n".join(est.lines())
-    assert "a model, not a measurement" in text and "8 kernel launches" in text
+    assert "a model, not a measurement" in text and "9 kernel launches" in text
     assert est.to_dict()["by_kind"]["elementwise"]["kernels"] == 5
 
 
