@@ -139,8 +139,21 @@ def _chunk(h_c, kernel, y_c, w_c, dtype):
 
 
 def _chunks(h, y, w, size):
+    """[chunks, size, ...] views of the positions, chunk c holding positions c, c + chunks,
+    c + 2 chunks, ...: strided, so that each chunk takes an equal share of every example (and of
+    every device's examples, where the batch is sharded: a chunk of consecutive positions would
+    lie on one device, and XLA's partitioner would gather all positions onto every device)."""
     n = h.shape[0] // size
-    return h.reshape(n, size, h.shape[1]), y.reshape(n, size), w.reshape(n, size)
+    return (
+        h.reshape(size, n, h.shape[1]).transpose(1, 0, 2),
+        y.reshape(size, n).T,
+        w.reshape(size, n).T,
+    )
+
+
+def _unchunk(d_h):
+    """The inverse of `_chunks` for [chunks, size, d] per-position values."""
+    return d_h.transpose(1, 0, 2).reshape(-1, d_h.shape[2])
 
 
 def _folds_scale(dtype) -> bool:
@@ -207,7 +220,7 @@ def _linear_xent_fwd(h, kernel, y, w, norm, size, dtype, grad_dtypes):
         )
     if not folded:
         d_h, d_kernel = d_h * norm, d_kernel * norm
-    return (total * norm, correct * norm), (d_h.reshape(h.shape), d_kernel)
+    return (total * norm, correct * norm), (_unchunk(d_h), d_kernel)
 
 
 def _linear_xent_bwd(size, dtype, grad_dtypes, residuals, cotangents):

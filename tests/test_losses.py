@@ -275,3 +275,57 @@ def test_fused_head_accuracy_is_the_argmax_accuracy():
         lambda h: losses.fused_linear_cross_entropy(h, kernel, labels, return_accuracy=True)[0]
     )(hidden)
     assert g.shape == hidden.shape
+
+
+@pytest.mark.skipif(not target_lib.plugin_available(), reason="JAX's CUDA plugin is not installed")
+def test_h200_fused_head_keeps_each_devices_positions_on_it():
+    """A sharded step (8 H200s, fsdp=8, batch split over devices) with the fused head in four
+    chunks: every collective is a parameter's gather or a gradient's reduce-scatter over the
+    mesh's axis. Chunks of consecutive positions would each lie on one device, and XLA's
+    partitioner regrouped them (collective-permutes, gathers of the hidden states over partial
+    groups of devices; on Llama 1.5B, 7.5 GiB of float32 all-gathers per step)."""
+    import optax
+
+    import jamp
+    from jamp import sharding
+    from jamp.models.llama import LlamaLM
+
+    target = target_lib.get_target("h200x8")
+    mesh = target.mesh("fsdp=8")
+    model = jamp.wrap(
+        LlamaLM(
+            vocab_size=1024,
+            num_layers=2,
+            d_model=256,
+            num_heads=4,
+            num_kv_heads=2,
+            mlp_dim=768,
+            max_len=64,
+        ),
+        "mixed_bfloat16",
+    )
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    tx = optax.adamw(1e-4)
+    state = jax.eval_shape(lambda: jamp.TrainState.create(params, tx))
+
+    def loss_fn(p, model_state, batch, rng):
+        tokens = batch["tokens"]
+        hidden = model.apply({"params": p}, tokens[:, :-1], return_hidden=True)
+        loss = losses.fused_linear_cross_entropy(
+            hidden, LlamaLM.output_kernel(p), tokens[:, 1:], chunk_size=256
+        )
+        return loss, (model_state, {})
+
+    step = sharding.make_sharded_train_step(
+        jamp.make_train_step(loss_fn, tx), mesh, sharding.state_shardings(state, mesh)
+    )
+    report = target_lib.compile_for(
+        step,
+        state,
+        {"tokens": jax.ShapeDtypeStruct((16, 65), jnp.int32)},
+        jax.eval_shape(lambda: jax.random.key(0)),
+        target=target,
+    )
+    groups = report.collectives
+    assert groups and all(g.axes == ("fsdp",) for g in groups), groups
+    assert {g.kind for g in groups} <= {"all-gather", "reduce-scatter", "all-reduce"}, groups
