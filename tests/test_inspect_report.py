@@ -439,3 +439,18 @@ def test_report_takes_an_nnx_model_as_users_hold_it():
     assert report.compute_dtype == "bfloat16"
     assert {r.path for r in report.rows if r.flops_16bit} == {"hidden", "head"}
     assert report.row("hidden").matmul_flops and report.totals.share_16bit() == 1.0
+
+
+def test_name_stack_with_a_slash_inside_a_scope_name_is_one_name():
+    """A scope name holding a slash inside parentheses that do not wrap it whole (seen in a
+    sharded Llama step's op names) is read as one name; it recursed without end before."""
+    assert _paths.names("jit(f)/jvp(a(b/c)d)/e") == [
+        _paths.Name("f", ("jit",)),
+        _paths.Name("a(b/c)d", ("jvp",)),
+        _paths.Name("e", ()),
+    ]
+    assert _paths.names("x(a/b") == [_paths.Name("x(a/b", ())]
+    assert _paths.names("transpose(jvp(A))/B") == [
+        _paths.Name("A", ("jvp", "transpose")),
+        _paths.Name("B", ()),
+    ]

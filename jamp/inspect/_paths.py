@@ -110,7 +110,7 @@ def names(name_stack: str) -> list[Name]:
             transforms.append(head)
             part = inner[:-1]
         around = tuple(reversed(transforms))  # innermost first
-        if "/" in part:  # a wrapped scope that holds a whole stack
+        if "/" in part and len(_split_top(part)) > 1:  # a wrapped scope holding a whole stack
             for sub in names(part):
                 out.append(Name(sub.text, sub.transforms + around))
         elif part:
