@@ -59,16 +59,34 @@ def profile_first_steps(run, p_train_step, placement, state, batches, rng, step,
     return state, step + 1 + run.profile_steps
 
 
+def bare_dtype_note(spec, policy) -> str:
+    """A line for a policy given as a bare 16-bit dtype name (`bf16`): it keeps the params in
+    that dtype too, as in jmp, where a newcomer may have meant the mixed preset; else ""."""
+    if not isinstance(spec, str) or "=" in spec or spec.strip() in precision.PRESETS:
+        return ""
+    params = np.dtype(policy.param_dtype)
+    if params == np.float32:
+        return ""
+    return (
+        f"note: policy {spec!r} keeps the params in {params.name} too (a bare dtype name sets all "
+        f"three dtypes, as in jmp); for float32 params and {params.name} compute, use "
+        f"'mixed_{params.name}'"
+    )
+
+
 def hardware_notes(spec, policy) -> dict:
     """Prints which policy "auto" picked and a warning when the policy's 16-bit compute dtype is
     emulated here (naming the faster choice); returns the summary's rows for both."""
     picked = auto_reason(spec)
     warning = hardware.emulation_warning(policy)
+    bare = bare_dtype_note(spec, policy)
     if jax.process_index() == 0:
         if picked:
             print(picked, flush=True)
         if warning:
             print(warning, file=sys.stderr, flush=True)
+        if bare:
+            print(bare, file=sys.stderr, flush=True)
     compute = np.dtype(policy.compute_dtype)
     rows = {"auto policy": picked} if picked else {}
     if precision.is_fp8(policy):
