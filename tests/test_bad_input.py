@@ -84,6 +84,7 @@ mesh_axis       | parallelism=sharded mesh=pipe=8         | mesh: unknown mesh a
 recipe_missing  | --config=configs/nope.py                | No such file or directory: 'configs/nope
 recipe_dir      | --config=configs                        | Is a directory: 'configs'
 recipe_variant  | --config=configs/default.py:huge        | unknown config variant 'huge'
+recipe_typo     | --config=defualt:smoke                  | unknown recipe 'defualt' (did you mean 'default'?)
 data_dir_file   | data_dir={file}                         | cannot be used: {file} is not a dir
 data_dir_below  | data_dir={file}/tfds                    | /tfds cannot be used: {file} is not
 # datasets and models

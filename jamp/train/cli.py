@@ -99,8 +99,11 @@ def _recipe_path(value: str) -> str:
         named = path.stem  # the README's configs/<name>.py, run outside a checkout
     if named is None or named not in recipe_names():
         if named is not None and not path.suffix:
+            names = recipe_names()
+            close = cli_help.did_you_mean(named, names)
+            hint = f" (did you mean {close!r}?)" if close else ""
             _fail(
-                f"unknown recipe {spec!r}; recipes: {', '.join(recipe_names())} "
+                f"unknown recipe {spec!r}{hint}; recipes: {', '.join(names)} "
                 "(or give the path of a recipe file)"
             )
         return value
