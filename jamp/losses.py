@@ -128,14 +128,15 @@ def softmax_cross_entropy_with_integer_labels(logits: jax.Array, labels: jax.Arr
 
 
 def _chunk(h_c, kernel, y_c, w_c, dtype):
-    """One chunk's float32 logits (computed in `dtype`, summed in float32), log-normalizers,
-    weighted loss sum and weighted count of labels whose logit is the largest."""
+    """One chunk's float32 logits (computed in `dtype`, summed in float32), log-normalizers, and
+    per position its weighted loss and its weight where the label's logit is the largest (kept
+    per position, summed once after the last chunk: no reduction to a scalar per chunk)."""
     logits = mixed_ops.product(h_c, kernel, (((1,), (0,)), ((), ())), dtype)
     x = logits.astype(_F32)
     hit = _onehot(y_c, x.shape[-1])
     top, lse, picked = _row_stats(x, hit)
     correct = jnp.any(hit, axis=-1) & (picked >= top)
-    return x, lse, jnp.sum(w_c * (lse - picked)), jnp.sum(jnp.where(correct, w_c, 0.0))
+    return x, lse, w_c * (lse - picked), jnp.where(correct, w_c, 0.0)
 
 
 def _chunks(h, y, w, size):
@@ -176,20 +177,22 @@ def _linear_xent(h, kernel, y, w, norm, size, dtype, grad_dtypes):
         _, _, loss, correct = _chunk(h_c.astype(dtype), k, y_c, w_c, dtype)
         return (sums[0] + loss, sums[1] + correct), None
 
-    zero = jnp.zeros((), _F32)
+    zero = jnp.zeros((size,), _F32)
     (total, correct), _ = lax.scan(body, (zero, zero), _chunks(h, y, w, size))
-    return total * norm, correct * norm
+    return jnp.sum(total) * norm, jnp.sum(correct) * norm
 
 
 def _linear_xent_fwd(h, kernel, y, w, norm, size, dtype, grad_dtypes):
-    del grad_dtypes
     k = kernel.astype(dtype)
     folded = _folds_scale(dtype)
+    # The hidden states' gradient leaves its matmul rounded to `dtype`, as the unfused head's
+    # does (the gradient of a `dtype` operand); float32 where the normalizer comes later.
+    d_h_dtype = dtype if folded else _F32
     hs, ys, ws = _chunks(h, y, w, size)
 
     def one(i):
-        """Chunk `i`'s loss and hit sums, its hidden states' gradient (float32) and its share of
-        the kernel's (float32)."""
+        """Chunk `i`'s losses and hits per position, its hidden states' gradient and its share
+        of the kernel's (float32)."""
         h_c, y_c, w_c = (lax.dynamic_index_in_dim(a, i, keepdims=False) for a in (hs, ys, ws))
         h_c = h_c.astype(dtype)
         x, lse, loss, hits = _chunk(h_c, k, y_c, w_c, dtype)
@@ -199,14 +202,14 @@ def _linear_xent_fwd(h, kernel, y, w, norm, size, dtype, grad_dtypes):
         scale = w_c * norm if folded else w_c
         d = (jnp.exp(x - lse[:, None]) - _onehot(y_c, x.shape[-1])) * scale[:, None]
         d = d.astype(dtype)
-        d_h = mixed_ops.product(d, k, (((1,), (1,)), ((), ())), _F32)
+        d_h = mixed_ops.product(d, k, (((1,), (1,)), ((), ())), d_h_dtype)
         d_kernel = mixed_ops.product(h_c, d, (((0,), (0,)), ((), ())), _F32)
         return loss, hits, d_kernel, d_h
 
     # The first chunk outside the loop: its results start the sums (no zeroed float32 kernel-
     # sized accumulator to write and read back).
     total, correct, d_kernel, d_h0 = one(0)
-    d_h = jnp.zeros(hs.shape, _F32).at[0].set(d_h0)
+    d_h = jnp.zeros(hs.shape, d_h0.dtype).at[0].set(d_h0)
 
     def body(carry, i):
         total, correct, d_kernel, d_h = carry
@@ -220,6 +223,7 @@ def _linear_xent_fwd(h, kernel, y, w, norm, size, dtype, grad_dtypes):
         )
     if not folded:
         d_h, d_kernel = d_h * norm, d_kernel * norm
+    total, correct = jnp.sum(total), jnp.sum(correct)
     return (total * norm, correct * norm), (_unchunk(d_h), d_kernel)
 
 
