@@ -219,24 +219,30 @@ def test_fused_head_bad_arguments_say_what_is_accepted():
         f(hidden, kernel, labels.astype(F32))
 
 
+def _h200_head(chunk_size):
+    """The H200 program (`jamp.compile_for`) of the gradient of a bf16 head + loss over 8 x 512
+    positions, d 256, vocabulary 32k: fused in chunks of `chunk_size`, or unfused (None)."""
+    hidden = jax.ShapeDtypeStruct((8, 512, 256), BF16)
+    kernel = jax.ShapeDtypeStruct((256, 32768), F32)
+    labels = jax.ShapeDtypeStruct((8, 512), jnp.int32)
+
+    def loss(h, k, y):
+        if chunk_size is None:
+            return _unfused(h, k, y, jnp.ones((8, 512)), BF16)
+        return losses.fused_linear_cross_entropy(h, k, y, chunk_size=chunk_size)
+
+    grad = jax.grad(loss, argnums=(0, 1))
+    return target_lib.compile_for(grad, hidden, kernel, labels, target="h200")
+
+
 @pytest.mark.skipif(not target_lib.plugin_available(), reason="JAX's CUDA plugin is not installed")
 def test_h200_fused_head_forms_no_logits():
     """The fused head + loss of 8 x 512 positions over a 32k vocabulary, in chunks of 512, on the
     H200 program (XLA's plan): no buffer of all positions x vocabulary, 16- or 32-bit, at any
     time; the unfused head + loss holds several."""
-    positions, d, vocab = 8 * 512, 256, 32768
-    hidden = jax.ShapeDtypeStruct((8, 512, d), BF16)
-    kernel = jax.ShapeDtypeStruct((d, vocab), F32)
-    labels = jax.ShapeDtypeStruct((8, 512), jnp.int32)
-    ones = jnp.ones((8, 512))
-
-    def temporaries(fn):
-        grad = jax.grad(fn, argnums=(0, 1))
-        return target_lib.compile_for(grad, hidden, kernel, labels, target="h200").memory
-
-    fused = temporaries(lambda h, k, y: losses.fused_linear_cross_entropy(h, k, y, chunk_size=512))
-    unfused = temporaries(lambda h, k, y: _unfused(h, k, y, ones, BF16))
-    logits_bf16 = positions * vocab * 2
+    fused = _h200_head(chunk_size=512).memory
+    unfused = _h200_head(chunk_size=None).memory
+    logits_bf16 = 8 * 512 * 32768 * 2
     assert fused.temporaries < logits_bf16 / 2, fused
     assert unfused.temporaries >= logits_bf16, unfused
 
@@ -247,17 +253,8 @@ def test_h200_fused_head_is_predicted_no_slower_than_the_unfused():
     a roofline per kernel plus its launch, not a measurement) is at most the unfused one's: one
     pass over a chunk's logits for max, log-sum-exp and the label's logit, one for the
     gradient, and no multiply by a constant 1 cotangent."""
-    hidden = jax.ShapeDtypeStruct((8, 512, 256), BF16)
-    kernel = jax.ShapeDtypeStruct((256, 32768), F32)
-    labels = jax.ShapeDtypeStruct((8, 512), jnp.int32)
-    ones = jnp.ones((8, 512))
-
-    def estimate(fn):
-        grad = jax.grad(fn, argnums=(0, 1))
-        return target_lib.compile_for(grad, hidden, kernel, labels, target="h200").estimate
-
-    fused = estimate(lambda h, k, y: losses.fused_linear_cross_entropy(h, k, y, chunk_size=2048))
-    unfused = estimate(lambda h, k, y: _unfused(h, k, y, ones, BF16))
+    fused = _h200_head(chunk_size=2048).estimate
+    unfused = _h200_head(chunk_size=None).estimate
     assert fused.seconds <= unfused.seconds, (fused.lines(), unfused.lines())
 
 
@@ -284,48 +281,16 @@ def test_h200_fused_head_keeps_each_devices_positions_on_it():
     mesh's axis. Chunks of consecutive positions would each lie on one device, and XLA's
     partitioner regrouped them (collective-permutes, gathers of the hidden states over partial
     groups of devices; on Llama 1.5B, 7.5 GiB of float32 all-gathers per step)."""
-    import optax
+    from toy import h200x8_llama_report
 
-    import jamp
-    from jamp import sharding
     from jamp.models.llama import LlamaLM
 
-    target = target_lib.get_target("h200x8")
-    mesh = target.mesh("fsdp=8")
-    model = jamp.wrap(
-        LlamaLM(
-            vocab_size=1024,
-            num_layers=2,
-            d_model=256,
-            num_heads=4,
-            num_kv_heads=2,
-            mlp_dim=768,
-            max_len=64,
-        ),
-        "mixed_bfloat16",
-    )
-    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
-    tx = optax.adamw(1e-4)
-    state = jax.eval_shape(lambda: jamp.TrainState.create(params, tx))
-
-    def loss_fn(p, model_state, batch, rng):
-        tokens = batch["tokens"]
+    def loss_of(model, p, tokens):
         hidden = model.apply({"params": p}, tokens[:, :-1], return_hidden=True)
-        loss = losses.fused_linear_cross_entropy(
-            hidden, LlamaLM.output_kernel(p), tokens[:, 1:], chunk_size=256
-        )
-        return loss, (model_state, {})
+        kernel = LlamaLM.output_kernel(p)
+        return losses.fused_linear_cross_entropy(hidden, kernel, tokens[:, 1:], chunk_size=256)
 
-    step = sharding.make_sharded_train_step(
-        jamp.make_train_step(loss_fn, tx), mesh, sharding.state_shardings(state, mesh)
-    )
-    report = target_lib.compile_for(
-        step,
-        state,
-        {"tokens": jax.ShapeDtypeStruct((16, 65), jnp.int32)},
-        jax.eval_shape(lambda: jax.random.key(0)),
-        target=target,
-    )
+    report = h200x8_llama_report(loss_of)
     groups = report.collectives
     assert groups and all(g.axes == ("fsdp",) for g in groups), groups
     assert {g.kind for g in groups} <= {"all-gather", "reduce-scatter", "all-reduce"}, groups

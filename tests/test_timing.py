@@ -225,48 +225,16 @@ def test_sharded_step_checks_gradients_with_one_all_reduce_and_no_resharding():
     their partial sums cross devices in one combined all-reduce, and no gradient is moved
     between devices to be stacked (an all-to-all, which flattening a column-sharded weight
     costs)."""
-    import jax
-    import jax.numpy as jnp
-    import optax
+    from toy import h200x8_llama_report
 
     import jamp
-    from jamp import sharding
     from jamp.grad_stats import SCOPE
-    from jamp.models.llama import LlamaLM
 
-    target = target_lib.get_target("h200x8")
-    mesh = target.mesh("fsdp=8")
-    model = jamp.wrap(
-        LlamaLM(
-            vocab_size=1024,
-            num_layers=2,
-            d_model=256,
-            num_heads=4,
-            num_kv_heads=2,
-            mlp_dim=768,
-            max_len=64,
-        ),
-        "mixed_bfloat16",
-    )
-    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
-    tx = optax.adamw(1e-4)
-    state = jax.eval_shape(lambda: jamp.TrainState.create(params, tx))
+    def loss_of(model, p, tokens):
+        logits = model.apply({"params": p}, tokens[:, :-1])
+        return jamp.losses.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
-    def loss_fn(p, model_state, batch, rng):
-        logits = model.apply({"params": p}, batch["tokens"][:, :-1])
-        loss = jamp.losses.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:])
-        return loss.mean(), (model_state, {})
-
-    step = sharding.make_sharded_train_step(
-        jamp.make_train_step(loss_fn, tx), mesh, sharding.state_shardings(state, mesh)
-    )
-    report = target_lib.compile_for(
-        step,
-        state,
-        {"tokens": jax.ShapeDtypeStruct((16, 65), jnp.int32)},
-        jax.eval_shape(lambda: jax.random.key(0)),
-        target=target,
-    )
+    report = h200x8_llama_report(loss_of)
     found = hlo.collectives(hlo.parse(report.hlo_text))
     assert not [c for c in found if c.kind == "all-to-all"]
     checks = [c for c in found if f"{SCOPE}/" in c.op_name]  # combined: names joined by ":"

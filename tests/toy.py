@@ -81,3 +81,36 @@ class NnxView:
     def apply(self, variables, x, train=False, rngs=None, mutable=False):
         del train, rngs, mutable
         return self.functional.merge(variables["params"], self.model_state)(x)
+
+
+def h200x8_llama_report(loss_of):
+    """The compile report (`jamp.compile_for`) of a small wrapped LlamaLM's sharded train step
+    (8 H200s, fsdp=8, batch 16 x 64, AdamW), its loss `loss_of(model, params, tokens)`."""
+    import optax
+
+    import jamp
+    from jamp import sharding
+    from jamp import target as target_lib
+    from jamp.models.llama import LlamaLM
+
+    target = target_lib.get_target("h200x8")
+    mesh = target.mesh("fsdp=8")
+    shape = dict(vocab_size=1024, num_layers=2, d_model=256, num_heads=4, num_kv_heads=2)
+    model = jamp.wrap(LlamaLM(**shape, mlp_dim=768, max_len=64), "mixed_bfloat16")
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    tx = optax.adamw(1e-4)
+    state = jax.eval_shape(lambda: jamp.TrainState.create(params, tx))
+
+    def loss_fn(p, model_state, batch, rng):
+        return loss_of(model, p, batch["tokens"]), (model_state, {})
+
+    step = sharding.make_sharded_train_step(
+        jamp.make_train_step(loss_fn, tx), mesh, sharding.state_shardings(state, mesh)
+    )
+    return target_lib.compile_for(
+        step,
+        state,
+        {"tokens": jax.ShapeDtypeStruct((16, 65), jnp.int32)},
+        jax.eval_shape(lambda: jax.random.key(0)),
+        target=target,
+    )
