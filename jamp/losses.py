@@ -190,9 +190,9 @@ def _linear_xent_fwd(h, kernel, y, w, norm, size, dtype, grad_dtypes):
     d_h_dtype = dtype if folded else _F32
     hs, ys, ws = _chunks(h, y, w, size)
 
-    def one(i):
-        """Chunk `i`'s losses and hits per position, its hidden states' gradient and its share
-        of the kernel's (float32)."""
+    def one(i, hs):
+        """Chunk `i` of `hs`: its losses and hits per position, its hidden states' gradient and
+        its share of the kernel's (float32)."""
         h_c, y_c, w_c = (lax.dynamic_index_in_dim(a, i, keepdims=False) for a in (hs, ys, ws))
         h_c = h_c.astype(dtype)
         x, lse, loss, hits = _chunk(h_c, k, y_c, w_c, dtype)
@@ -208,12 +208,15 @@ def _linear_xent_fwd(h, kernel, y, w, norm, size, dtype, grad_dtypes):
 
     # The first chunk outside the loop: its results start the sums (no zeroed float32 kernel-
     # sized accumulator to write and read back).
-    total, correct, d_kernel, d_h0 = one(0)
+    total, correct, d_kernel, d_h0 = one(0, hs)
+    # XLA unrolls a loop of one trip (two chunks) and may then run both chunks at once, their
+    # logits alive together: the barrier holds the next chunk's reads until this one is done.
+    d_kernel, d_h0, hs = lax.optimization_barrier((d_kernel, d_h0, hs))
     d_h = jnp.zeros(hs.shape, d_h0.dtype).at[0].set(d_h0)
 
     def body(carry, i):
         total, correct, d_kernel, d_h = carry
-        loss, hits, d_k, d_h_c = one(i)
+        loss, hits, d_k, d_h_c = one(i, hs)
         d_h = lax.dynamic_update_index_in_dim(d_h, d_h_c, i, 0)
         return (total + loss, correct + hits, d_kernel + d_k, d_h), None
 

@@ -239,11 +239,15 @@ def _h200_head(chunk_size):
 def test_h200_fused_head_forms_no_logits():
     """The fused head + loss of 8 x 512 positions over a 32k vocabulary, in chunks of 512, on the
     H200 program (XLA's plan): no buffer of all positions x vocabulary, 16- or 32-bit, at any
-    time; the unfused head + loss holds several."""
+    time, and in two chunks one chunk's at a time; the unfused head + loss holds several."""
     fused = _h200_head(chunk_size=512).memory
+    halves = _h200_head(chunk_size=2048).memory
     unfused = _h200_head(chunk_size=None).memory
     logits_bf16 = 8 * 512 * 32768 * 2
     assert fused.temporaries < logits_bf16 / 2, fused
+    # Two chunks: the loop's one trip is unrolled by XLA, and without a barrier both chunks ran
+    # at once (1.07x the whole logits).
+    assert halves.temporaries < logits_bf16 * 0.75, halves
     assert unfused.temporaries >= logits_bf16, unfused
 
 
