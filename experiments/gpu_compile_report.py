@@ -33,7 +33,7 @@ def _split(by: dict) -> str:
     return ", ".join(f"{k} {_g(v)}" for k, v in by.items() if v >= 0.005 * GIB) or "-"
 
 
-def _largest(row) -> str:
+def largest_text(row) -> str:
     found = row.get("largest")
     if not found:
         return ""
@@ -59,7 +59,7 @@ def _gpt2_table(rows) -> list[str]:
         lines.append(
             f"| {r['label']} | {r['batch']} | {_g(r['temp'])} | {_g(r['peak'])} | "
             f"{_split(r['by_dtype'])} | {r['fused_attention']} / {r['unfused_attention']} | "
-            f"{r['fp32_gemms']} | {r['compile_s']} | {_largest(r)} |"
+            f"{r['fp32_gemms']} | {r['compile_s']} | {largest_text(r)} |"
         )
     return lines
 
@@ -83,7 +83,7 @@ def _decoder_table(rows) -> list[str]:
         fits = "yes" if r["peak"] <= r["usable"] else "**no**"
         lines.append(
             f"| {r['label']} | {r['batch']} | {_g(r['arguments'])} | {_g(r['temp'])} | "
-            f"{_g(r['peak'])} | {fits} | {_wire(r)} | {r['compile_s']} | {_largest(r)} | "
+            f"{_g(r['peak'])} | {fits} | {_wire(r)} | {r['compile_s']} | {largest_text(r)} | "
             f"{_room(r)} |"
         )
     return lines

@@ -21,6 +21,10 @@ import subprocess
 import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from gpu_compile_report import largest_text  # noqa: E402  (reads the JSON only)
+
 RESULT = "results/gpu_compile_h200_fused_attention.json"
 VARIANTS = (
     "lm_jamp_bf16",
@@ -75,12 +79,8 @@ def _rows_table(before: dict, after: dict, part: str) -> list[str]:
         if o is None:
             continue
 
-        def largest(row):
-            found = row.get("largest") or {}
-            batch = found.get("batch") if found else None
-            return "" if not found else ("none" if batch is None else str(batch))
-
-        big = f"{largest(o)} -> {largest(r)}" if largest(r) else ""
+        # where a search stopped at its compile budget, the batch found is a lower bound
+        big = f"{largest_text(o) or '-'} -> {largest_text(r)}" if largest_text(r) else ""
         if o == r:  # a row this run left as it was (e.g. a part rerun for one policy only)
             lines.append(
                 f"| {r['label']} | {r['batch']} | not rerun: {r['temp'] / GIB:.2f} | | | |"
