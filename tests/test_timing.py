@@ -72,9 +72,26 @@ _PROGRAM = """HloModule jit_step
   ROOT %cublas_dsf = (f32[64,128]{1,0}, s8[1024]{0}) custom-call(%bitcast_dsf, %p1_dsf), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(step)/jvp(loss)/dot_general"}, backend_config={"gemm_backend_config":{"alpha_real":1,"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
 }
 
+%fused_lt (p0: s32[]) -> pred[] {
+  %p0_fused_lt = s32[] parameter(0)
+  %k_fused_lt = s32[] constant(3)
+  ROOT %lt_fused_lt = pred[] compare(%p0_fused_lt, %k_fused_lt), direction=LT
+}
+
 %cond (c: (s32[], f32[4,1024])) -> pred[] {
   %c_cond = (s32[], f32[4,1024]) parameter(0)
-  ROOT %p_cond = pred[] constant(true)
+  %n_cond = s32[] get-tuple-element(%c_cond), index=0
+  ROOT %lt_cond = pred[] fusion(%n_cond), kind=kLoop, calls=%fused_lt
+}
+
+%cond2 (c: (s32[], f32[4,1024])) -> pred[] {
+  %c_cond2 = (s32[], f32[4,1024]) parameter(0)
+  %n_cond2 = s32[] get-tuple-element(%c_cond2), index=0
+  ROOT %lt_cond2 = pred[] fusion(%n_cond2), kind=kLoop, calls=%fused_lt
+}
+
+%body2 (c: (s32[], f32[4,1024])) -> (s32[], f32[4,1024]) {
+  ROOT %c_body2 = (s32[], f32[4,1024]) parameter(0)
 }
 
 ENTRY %main (a: bf16[64,32], b: bf16[32,128], x: f32[4,1024], big: f32[1000,256], u: f32[1,256], i: s32[], a4: bf16[4,64,32]) -> f32[4] {
@@ -93,6 +110,7 @@ ENTRY %main (a: bf16[64,32], b: bf16[32,128], x: f32[4,1024], big: f32[1000,256]
   %c0 = s32[] constant(0)
   %init = (s32[], f32[4,1024]) tuple(%c0, %x)
   %loop = (s32[], f32[4,1024]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %loop2 = (s32[], f32[4,1024]) while(%init), condition=%cond2, body=%body2
   %copy = f32[4]{0} copy(%sum)
   ROOT %r = f32[4]{0} bitcast(%copy)
 }"""
@@ -100,7 +118,9 @@ ENTRY %main (a: bf16[64,32], b: bf16[32,128], x: f32[4,1024], big: f32[1000,256]
 
 def test_kernels_kinds_bytes_flops_and_loop_counts():
     found = {k.name: k for k in kernels(hlo.parse(_PROGRAM))}
-    assert set(found) == {"gemm", "row", "upd", "sum", "e_body", "copy", "sliced_gemm"}
+    # A loop of known trip count runs its body that many times and never its condition (XLA's
+    # GPU runtime); one of unknown trip count launches its condition's kernels.
+    assert set(found) == {"gemm", "row", "upd", "sum", "e_body", "copy", "sliced_gemm", "lt_cond2"}
     gemm = found["gemm"]
     assert (gemm.kind, gemm.dtype, gemm.flops) == ("gemm", "bf16", 2 * 64 * 128 * 32)
     assert gemm.bytes == (64 * 32 + 32 * 128 + 64 * 128) * 2
@@ -122,15 +142,15 @@ def test_kernels_kinds_bytes_flops_and_loop_counts():
 def test_estimate_is_a_roofline_per_kernel_plus_its_launch():
     rates = timing.Rates(launch=5e-6, memory=0.5, matmul=0.5, attention=0.5)
     est = timing.estimate(hlo.parse(_PROGRAM), H200, rates)
-    assert est.kernels == 9  # 6 in the entry, the loop body's fusion 3 times
+    assert est.kernels == 10  # 6 in the entry, a loop body's fusion 3 times, a condition's once
     per = {k.name: k for k in kernels(hlo.parse(_PROGRAM))}
     want = sum(
         (5e-6 + max(k.bytes / (H200.memory_bandwidth * 0.5), k.flops / (989.4e12 * 0.5))) * k.count
         for k in per.values()
     )
     assert est.seconds == pytest.approx(want)
-    assert est.launch_seconds == pytest.approx(9 * 5e-6)
-    assert sum(n for n, _ in est.by_kind.values()) == 9
+    assert est.launch_seconds == pytest.approx(10 * 5e-6)
+    assert sum(n for n, _ in est.by_kind.values()) == 10
     assert sum(s for _, s in est.by_kind.values()) == pytest.approx(est.seconds)
     top = {k.name: k for k in est.top}
     assert top["gemm"].path == "Dense_0" and not top["gemm"].backward
@@ -138,8 +158,8 @@ def test_estimate_is_a_roofline_per_kernel_plus_its_launch():
     assert top["row"].path == "(unnamed)"
     assert est.top[0].seconds >= est.top[-1].seconds
     text = "\n".join(est.lines())
-    assert "a model, not a measurement" in text and "9 kernel launches" in text
-    assert est.to_dict()["by_kind"]["elementwise"]["kernels"] == 5
+    assert "a model, not a measurement" in text and "10 kernel launches" in text
+    assert est.to_dict()["by_kind"]["elementwise"]["kernels"] == 6
 
 
 def test_estimate_rates_float32_gemms_at_the_tf32_rate():

@@ -233,9 +233,19 @@ def _inner_gemm(program: Program, inst: Instruction, by_gemm: dict) -> Optional[
     return next((by_gemm[i.name] for i in _body(program, inst) if i.name in by_gemm), None)
 
 
+def _skipped_condition(inst: Instruction) -> Optional[str]:
+    """The condition of a while loop whose trip count XLA knows: the GPU runtime then runs the
+    body that many times and never the condition (its kernels launch not at all)."""
+    if inst.op != "while" or not inst.backend_config().get("known_trip_count", {}).get("n"):
+        return None
+    name = inst.attribute("condition")
+    return name.lstrip("%") if name else None
+
+
 def _kernel_computations(program: Program) -> dict[str, int]:
-    """The computations whose instructions launch kernels (the entry, loop bodies and
-    conditions, called computations, conditional branches), with their runs per program run."""
+    """The computations whose instructions launch kernels (the entry, loop bodies, the
+    conditions of loops of unknown trip count, called computations, conditional branches), with
+    their runs per program run."""
     times = program.multiplicity()
     out = {program.entry: 1}
     todo = [program.entry]
@@ -243,8 +253,9 @@ def _kernel_computations(program: Program) -> dict[str, int]:
         computation = todo.pop()
         for inst in program.computations.get(computation, ()):
             if inst.op in _CONTROL:
+                skipped = _skipped_condition(inst)
                 for name in inst.called:
-                    if name not in out:
+                    if name not in out and name != skipped:
                         out[name] = times.get(name, 1)
                         todo.append(name)
     return out
