@@ -39,7 +39,6 @@ GIB = float(1 << 30)
 
 def dump_variants(path: str) -> None:
     sys.path.insert(0, str(HERE.parent))
-    sys.path.insert(0, str(HERE))
     import gpt2_variants
 
     import jamp

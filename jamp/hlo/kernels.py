@@ -236,7 +236,7 @@ def _inner_gemm(program: Program, inst: Instruction, by_gemm: dict) -> Optional[
 def _skipped_condition(inst: Instruction) -> Optional[str]:
     """The condition of a while loop whose trip count XLA knows: the GPU runtime then runs the
     body that many times and never the condition (its kernels launch not at all)."""
-    if inst.op != "while" or not inst.backend_config().get("known_trip_count", {}).get("n"):
+    if inst.trip_count is None:
         return None
     name = inst.attribute("condition")
     return name.lstrip("%") if name else None

@@ -155,6 +155,14 @@ class Instruction:
         parts = split_top(self.attributes[m.end() :])
         return parts[0] if parts else ""
 
+    @property
+    def trip_count(self) -> Optional[int]:
+        """A while loop's trip count where XLA knows it (its backend config), else None."""
+        if self.op != "while":
+            return None
+        n = self.backend_config().get("known_trip_count", {}).get("n")
+        return int(n) if n else None
+
     def backend_config(self) -> dict:
         """The instruction's backend config, parsed from JSON ({} when absent or unreadable)."""
         text = self.attribute("backend_config")
@@ -306,8 +314,7 @@ class Program:
             for inst in self.computations.get(computation, ()):
                 times = out[computation]
                 if inst.op == "while":
-                    trips = inst.backend_config().get("known_trip_count", {}).get("n")
-                    times *= int(trips) if trips else 1
+                    times *= inst.trip_count or 1
                 for name in inst.called:
                     if name not in out:
                         out[name] = times
