@@ -27,7 +27,9 @@ Differences between the supported releases (JAX 0.10 to 0.12), and how each is r
 
 * JAX's CUDA plugin (for `jamp.compile_for`) checks the CUDA libraries when JAX starts its
   backends; without an NVIDIA driver that check fails, with a traceback on every start, and the
-  plugin cannot describe a GPU topology (`allow_deviceless_cuda`).
+  plugin cannot describe a GPU topology (`allow_deviceless_cuda`). Whether cuDNN can be loaded
+  (what `jax.nn.dot_product_attention(implementation="cudnn")` asks first) is read from the
+  plugin's private version module, the same from 0.10 to 0.12 (`cudnn_version`).
 
 Stable across the range, read through the public `jax.extend.core`: `Jaxpr`, `ClosedJaxpr`,
 `Literal`, `DropVar`, `jaxprs_in_params`; `while` (`cond_nconsts`, `body_nconsts`), `cond`
@@ -197,3 +199,18 @@ def allow_deviceless_cuda() -> None:
     if os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/nvidiactl"):
         return
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+
+def cudnn_version() -> int | None:
+    """The version of the cuDNN that JAX's CUDA plugin loads (e.g. 92800), or None: no plugin,
+    or no cuDNN it can find. Loading the library needs no GPU or driver."""
+    try:
+        from jax._src.lib import cuda_versions
+    except ImportError:
+        return None
+    if cuda_versions is None:
+        return None
+    try:
+        return int(cuda_versions.cudnn_get_version())
+    except (RuntimeError, OSError):
+        return None

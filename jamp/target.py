@@ -30,6 +30,7 @@ import functools
 import importlib.util
 import re
 import time
+import warnings
 from typing import Any, Optional, Union
 
 import jax
@@ -186,6 +187,14 @@ def get_target(name: Union[str, Target]) -> Target:
     return Target(GPUS[m.group("gpu")], per, hosts)
 
 
+def cudnn_available() -> bool:
+    """Whether the CUDA plugin finds cuDNN here (installed by the gpu-compile extra). Without it
+    a GPU program is compiled as for a GPU without cuDNN: attention written out, not fused."""
+    from jamp import jax_compat
+
+    return plugin_available() and jax_compat.cudnn_version() is not None
+
+
 def plugin_available() -> bool:
     """Whether JAX's CUDA plugin is installed (what compiling for a GPU target needs)."""
     for name in ("xla_cuda12", "xla_cuda13"):
@@ -205,6 +214,14 @@ def _topology(gpu: Gpu, hosts: int, per_host: int):
         raise TargetUnavailable(
             "compiling for a GPU target needs JAX's CUDA plugin: pip install 'jamp-jax[gpu-compile]' "
             "(jax-cuda12-plugin at jaxlib's version; no GPU or driver needed)"
+        )
+    if not cudnn_available():
+        warnings.warn(
+            f"cuDNN is not installed here: {gpu.name} programs compile without its fused "
+            "attention (written out instead), unlike on a GPU with cuDNN; pip install "
+            "'jamp-jax[gpu-compile]' (nvidia-cudnn-cu12)",
+            RuntimeWarning,
+            stacklevel=4,
         )
     try:
         return topologies.get_topology_desc(

@@ -43,6 +43,26 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(4, os.cpu_count() or 1))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu_compile` compile for an H200 (`jamp.compile_for`): they need the
+    gpu-compile extra, JAX's CUDA plugin and the cuDNN it loads (without cuDNN, XLA writes
+    attention out instead of fusing it, and the programs are not a GPU's). They skip without."""
+    marked = [item for item in items if item.get_closest_marker("gpu_compile")]
+    if not marked:
+        return
+    from jamp import target
+
+    if not target.plugin_available():
+        why = "JAX's CUDA plugin is not installed"
+    elif not target.cudnn_available():
+        why = "the CUDA plugin finds no cuDNN"
+    else:
+        return
+    skip = pytest.mark.skip(reason=f"{why} (pip install 'jamp-jax[gpu-compile]')")
+    for item in marked:
+        item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def forked_cli():
     """`forked_cli(args, devices=2)`: `subproc.forked_cli`, the training program's CompletedProcess

@@ -109,7 +109,7 @@ def test_gpu_compile_report_writes_its_tables_each_parts_run_and_the_plot(tmp_pa
     assert stem.with_suffix(".png").stat().st_size > 10_000
 
 
-@pytest.mark.skipif(not target_lib.plugin_available(), reason="JAX's CUDA plugin is not installed")
+@pytest.mark.gpu_compile
 def test_gpu_compile_wrapped_lm_fuses_attention_and_keeps_what_hand_written_bf16_keeps():
     # The experiment's GPT-2-shaped LM at its quick size, batch 8, on the H200 program: the
     # hand-written bf16 network with cuDNN attention, and jamp's wrapped fp32 model under the

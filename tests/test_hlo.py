@@ -63,6 +63,46 @@ def test_hlo_collectives_results_groups_and_what_they_feed():
     assert gather.groups == ((0, 1, 2, 3), (4, 5, 6, 7))
     assert scatter.from_matmul and not scatter.into_matmul
     assert mesh_axes(gather.groups, [("data", 2), ("fsdp", 4)]) == ("fsdp",)
+    # Where XLA kept no name (JAX 0.10's drops it), a collective is named by what it carries.
+    assert gather.op_name == "w"
+    assert scatter.op_name == "jit(step)/jvp(Wrapped.apply)/M/Dense_0/dot_general"
+
+
+_COMBINED = """HloModule jit_step
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%wrapped (p0: f32[2], p1: f32[1]) -> f32[3] {
+  %p0 = f32[2]{0} parameter(0)
+  %p1 = f32[1]{0} parameter(1)
+  ROOT %c = f32[3]{0} concatenate(%p0, %p1), dimensions={0}
+}
+
+ENTRY %main (g: f32[2,8], l: f32[8]) -> f32[3] {
+  %g = f32[2,8]{1,0} parameter(0)
+  %l = f32[8]{0} parameter(1)
+  %zero = f32[] constant(0)
+  %norms = f32[2]{0} reduce(%g, %zero), dimensions={1}, to_apply=%add, metadata={op_name="jit(step)/grad_stats/reduce_sum"}
+  %loss = f32[] reduce(%l, %zero), dimensions={0}, to_apply=%add, metadata={op_name="jit(step)/jvp(loss)/reduce_sum"}
+  %loss1 = f32[1]{0} bitcast(%loss)
+  %both = f32[3]{0} fusion(%norms, %loss1), kind=kLoop, calls=%wrapped
+  %ar = f32[3]{0} all-reduce-start(%both), replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=(0,4,1,5,2,6,3,7) {'axis_0'}, to_apply=%add
+  ROOT %ard = f32[3]{0} all-reduce-done(%ar)
+}
+"""
+
+
+def test_hlo_combined_collective_without_a_name_is_named_by_its_parts():
+    """JAX 0.10's XLA combines the step's partial sums into one all-reduce and keeps no name on
+    it, nor on the concatenation that feeds it: it takes its parts' names, joined by ":"."""
+    (summed,) = hlo.collectives(hlo.parse(_COMBINED))
+    assert summed.kind == "all-reduce" and summed.shape == (3,)
+    assert summed.op_name == "jit(step)/grad_stats/reduce_sum:jit(step)/jvp(loss)/reduce_sum"
+    assert summed.groups == ((0, 1, 2, 3), (4, 5, 6, 7))
 
 
 @pytest.mark.parametrize(
@@ -72,6 +112,11 @@ def test_hlo_collectives_results_groups_and_what_they_feed():
         ("replica_groups=[2,2]<=[4]", ((0, 1), (2, 3))),
         ("replica_groups=[2,2]<=[2,2]T(1,0)", ((0, 2), (1, 3))),
         ("replica_groups=mesh['data'=2,'fsdp'=2] {'data'}", ((0, 2), (1, 3))),
+        # JAX 0.10's XLA: its own axis names over listed devices (a data=2 x fsdp=4 mesh's fsdp)
+        (
+            "replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=(0,4,1,5,2,6,3,7) {'axis_0'}",
+            ((0, 1, 2, 3), (4, 5, 6, 7)),
+        ),
         ("dimensions={0}", None),
     ],
 )

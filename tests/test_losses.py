@@ -82,7 +82,7 @@ def test_bad_arguments_say_what_is_accepted():
         losses.softmax_cross_entropy_with_integer_labels(labels, labels)
 
 
-@pytest.mark.skipif(not target_lib.plugin_available(), reason="JAX's CUDA plugin is not installed")
+@pytest.mark.gpu_compile
 def test_h200_program_keeps_no_float32_logits_of_a_wrapped_model():
     """The wrapped LM's step on the H200 program: with optax's loss on float32 logits a float32
     batch x length x vocab array is live at the peak; with jamp.losses none is (XLA's plan)."""
@@ -235,7 +235,7 @@ def _h200_head(chunk_size):
     return target_lib.compile_for(grad, hidden, kernel, labels, target="h200")
 
 
-@pytest.mark.skipif(not target_lib.plugin_available(), reason="JAX's CUDA plugin is not installed")
+@pytest.mark.gpu_compile
 def test_h200_fused_head_forms_no_logits():
     """The fused head + loss of 8 x 512 positions over a 32k vocabulary, in chunks of 512, on the
     H200 program (XLA's plan): no buffer of all positions x vocabulary, 16- or 32-bit, at any
@@ -251,7 +251,7 @@ def test_h200_fused_head_forms_no_logits():
     assert unfused.temporaries >= logits_bf16, unfused
 
 
-@pytest.mark.skipif(not target_lib.plugin_available(), reason="JAX's CUDA plugin is not installed")
+@pytest.mark.gpu_compile
 def test_h200_fused_head_is_predicted_no_slower_than_the_unfused():
     """In two chunks, the fused head + loss's predicted time on the H200 program (jamp's model:
     a roofline per kernel plus its launch, not a measurement) is at most the unfused one's: one
@@ -278,7 +278,7 @@ def test_fused_head_accuracy_is_the_argmax_accuracy():
     assert g.shape == hidden.shape
 
 
-@pytest.mark.skipif(not target_lib.plugin_available(), reason="JAX's CUDA plugin is not installed")
+@pytest.mark.gpu_compile
 def test_h200_fused_head_keeps_each_devices_positions_on_it():
     """A sharded step (8 H200s, fsdp=8, batch split over devices) with the fused head in four
     chunks: every collective is a parameter's gather or a gradient's reduce-scatter over the

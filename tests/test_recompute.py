@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import jamp
-from jamp import target as target_lib
 from jamp.engine import _recompute, rewrite
 
 
@@ -79,7 +78,7 @@ def test_recomputed_region_gives_the_same_values_and_gradients(act):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(not target_lib.plugin_available(), reason="JAX's CUDA plugin is not installed")
+@pytest.mark.gpu_compile
 def test_h200_step_keeps_no_gelu_intermediate():
     """A wrapped 2-layer LM's gradient on the H200 program (XLA's plan, not a measured peak): with
     the GELU recomputed, less bf16 at the peak by about one [tokens, mlp] array per layer."""

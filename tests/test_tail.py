@@ -10,7 +10,6 @@ import optax
 import pytest
 
 import jamp
-from jamp import target as target_lib
 from jamp.engine import _tail, recompute_widened
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -116,7 +115,7 @@ def test_train_step_matches_the_loss_without_recomputation(monkeypatch):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(not target_lib.plugin_available(), reason="JAX's CUDA plugin is not installed")
+@pytest.mark.gpu_compile
 def test_h200_train_step_keeps_no_float32_logits_with_optax_loss():
     """make_train_step of a wrapped LM with optax's loss on the float32 logits, H200 program
     (XLA's plan, not a measured peak): without recomputation a float32 batch x length x vocab

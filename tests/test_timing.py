@@ -11,10 +11,6 @@ from jamp import target as target_lib
 from jamp.hlo.kernels import kernels
 from jamp.inspect import timing
 
-needs_plugin = pytest.mark.skipif(
-    not target_lib.plugin_available(),
-    reason="JAX's CUDA plugin is not installed (pip install 'jamp-jax[gpu-compile]')",
-)
 H200 = target_lib.GPUS["h200"]
 
 _PROGRAM = """HloModule jit_step
@@ -188,7 +184,7 @@ def _experiments():
     return gpt2_variants
 
 
-@needs_plugin
+@pytest.mark.gpu_compile
 def test_compile_report_estimate_counts_gemm_and_attention_flops():
     variants = _experiments()
     built = variants.build("lm_jamp_bf16", quick=True)
@@ -213,7 +209,7 @@ def test_compile_report_estimate_counts_gemm_and_attention_flops():
 STEP_SHAPE = dict(layers=8, d=256, heads=4, mlp=1024, seq=128, vocab=1024)
 
 
-@needs_plugin
+@pytest.mark.gpu_compile
 @pytest.mark.parametrize("family", ["lm", "llama"])
 def test_train_step_adds_at_most_5_percent_kernels_to_a_plain_step(family):
     """jamp.make_train_step (finite check, per-module flags, grad norm, the skip, the loss scale
@@ -239,7 +235,7 @@ def test_train_step_adds_at_most_5_percent_kernels_to_a_plain_step(family):
     assert step - shared <= 1.05 * plain, counts
 
 
-@needs_plugin
+@pytest.mark.gpu_compile
 def test_sharded_step_checks_gradients_with_one_all_reduce_and_no_resharding():
     """Under fsdp=8 on 8 H200s, the gradient norm and finite check sum each shard where it lies:
     their partial sums cross devices in one combined all-reduce, and no gradient is moved

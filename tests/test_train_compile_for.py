@@ -12,13 +12,8 @@ import sys
 
 import pytest
 
-from jamp import target as target_lib
 from jamp.train import plan
 
-needs_plugin = pytest.mark.skipif(
-    not target_lib.plugin_available(),
-    reason="JAX's CUDA plugin is not installed (pip install 'jamp-jax[gpu-compile]')",
-)
 GIB = 1 << 30
 
 
@@ -82,7 +77,7 @@ def test_compile_for_a_bad_target_is_one_line(tmp_path):
 
 
 @pytest.mark.program
-@needs_plugin
+@pytest.mark.gpu_compile
 def test_compile_for_a_batch_that_does_not_split_over_the_target_is_one_line(tmp_path):
     out = _run(["--config=lm_pydoc:smoke", "--compile_for=h200x3"], tmp_path)  # batch 8 over 3
     assert out.returncode == 2, out.stderr
@@ -93,7 +88,7 @@ def test_compile_for_a_batch_that_does_not_split_over_the_target_is_one_line(tmp
 
 
 @pytest.mark.program
-@needs_plugin
+@pytest.mark.gpu_compile
 def test_compile_for_reports_a_sharded_recipe_on_8_h200s_and_searches_its_batch(tmp_path):
     """The smoke LM on 8 H200s (data=2, fsdp=4), without reading data; JAX's pool set so small
     (~0.29 MiB) that its batch of 8 fits and 16 (the next multiple of 8 devices) does not."""

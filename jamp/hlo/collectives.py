@@ -49,7 +49,9 @@ _PASS_THROUGH = frozenset(
 )
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_GROUPS_MESH = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([\d,\s]*)\))?\s*\{([^}]*)\}"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +61,7 @@ class Collective:
     kind: str  # "all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute"
     dtype: str  # HLO's spelling: "bf16", "f32", ...
     shape: tuple[int, ...]  # of the result, per device
-    op_name: str  # the JAX name stack it came from ("" if XLA recorded none)
+    op_name: str  # the JAX name stack it came from (where XLA kept none: its sources', or "")
     into_matmul: bool = False  # its result is an operand of a dot / convolution (e.g. a weight)
     from_matmul: bool = False  # its operand is a dot's / convolution's result (e.g. a weight grad)
     groups: Optional[tuple[tuple[int, ...], ...]] = None  # device groups (positions), if given
@@ -90,9 +92,14 @@ def partitioned_hlo(jitted, *args, **kwargs) -> str:
     return found[-1]
 
 
-def _axis_groups(sizes: Sequence[int], subset: Sequence[int]) -> tuple[tuple[int, ...], ...]:
-    """The device groups (row-major positions) that vary over the axes `subset` of a mesh."""
-    ids = np.arange(int(np.prod(sizes))).reshape(sizes)
+def _axis_groups(
+    sizes: Sequence[int], subset: Sequence[int], device_ids: Optional[Sequence[int]] = None
+) -> tuple[tuple[int, ...], ...]:
+    """The device groups that vary over the axes `subset` of a mesh whose devices, row-major,
+    are `device_ids` (by default their positions 0, 1, ...)."""
+    if device_ids is None:
+        device_ids = range(int(np.prod(sizes)))
+    ids = np.asarray(device_ids).reshape(sizes)
     rest = [i for i in range(len(sizes)) if i not in subset]
     size = int(np.prod([sizes[i] for i in subset]))
     rows = ids.transpose(rest + list(subset)).reshape(-1, size)
@@ -101,15 +108,17 @@ def _axis_groups(sizes: Sequence[int], subset: Sequence[int]) -> tuple[tuple[int
 
 def replica_groups(attributes: str) -> Optional[tuple[tuple[int, ...], ...]]:
     """The device groups of a collective's `replica_groups=` ({{0,1},{2,3}}, the iota form
-    [2,2]<=[4] / [2,4]<=[4,2]T(1,0), or the named form mesh['data'=2,'fsdp'=4] {'fsdp'});
-    None when it has none."""
+    [2,2]<=[4] / [2,4]<=[4,2]T(1,0), or the named form mesh['data'=2,'fsdp'=4] {'fsdp'}, its
+    devices in order or listed: mesh['axis_0'=4,'axis_1'=2], device_ids=(0,4,1,5,...)
+    {'axis_0'}, as JAX 0.10's XLA writes it); None when it has none."""
     m = _GROUPS_MESH.search(attributes)
     if m:
         axes = re.findall(r"'?(\w+)'?\s*=\s*(\d+)", m.group(1))
         names = [n for n, _ in axes]
-        chosen = re.findall(r"'?(\w+)'?", m.group(2))
+        chosen = re.findall(r"'?(\w+)'?", m.group(3))
         subset = [names.index(n) for n in chosen if n in names]
-        return _axis_groups([int(s) for _, s in axes], subset)
+        listed = [int(d) for d in re.findall(r"\d+", m.group(2))] if m.group(2) else None
+        return _axis_groups([int(s) for _, s in axes], subset, listed)
     m = _GROUPS_IOTA.search(attributes)
     if m:
         shape = [int(d) for d in m.group(1).split(",")]
@@ -221,6 +230,30 @@ def _is_matmul(inst) -> bool:
     )
 
 
+def _named_by_sources(program: Program, starts: Sequence[str], limit: int = 256) -> str:
+    """The name a collective with no name stack of its own takes from what it carries: the
+    name stacks of the nearest instructions upstream that have one (a fusion by its body's),
+    joined by ":" as XLA's combiners join the names of what they merge. Older XLAs (JAX 0.10's)
+    drop the name when they combine collectives or move them out of the partitioner's scope."""
+    names: list[str] = []
+    seen: set[str] = set()
+    todo = list(starts)
+    while todo and len(seen) < limit:
+        name = todo.pop(0)
+        if name in seen:
+            continue
+        seen.add(name)
+        inst = program.by_name.get(name)
+        if inst is None:
+            continue
+        found = inst.op_name or next((i.op_name for i in program.body(inst) if i.op_name), "")
+        if found and found not in names:
+            names.append(found)
+        elif not found:
+            todo.extend(inst.operands)
+    return ":".join(names)
+
+
 def collectives(hlo_text: str | Program) -> list[Collective]:
     """Every collective in a program (HLO text or parsed), in program order, each marked with
     whether it feeds a matmul operand or carries a matmul result. A combined collective (XLA
@@ -252,5 +285,8 @@ def collectives(hlo_text: str | Program) -> list[Collective]:
             else:
                 source = _reaches_any([source_name], operands, program)
             count = times.get(inst.computation, 1)
-            out.append(Collective(kind, dtype, shape, inst.op_name, into, source, groups, count))
+            name = inst.op_name or _named_by_sources(
+                program, inst.operands if source_name is None else [source_name]
+            )
+            out.append(Collective(kind, dtype, shape, name, into, source, groups, count))
     return out

@@ -23,6 +23,7 @@ import os
 import pathlib
 import re
 import sys
+import warnings
 from typing import Any, NoReturn
 
 from absl import app, flags, logging
@@ -293,9 +294,15 @@ def _plan(config, workdir) -> None:
     assert target is not None  # main() plans only when --compile_for is given
     _startup.start_backends()
     try:
-        plan.run_plan(resolved, target, workdir.value, _SEARCH_BATCH.value)
+        with warnings.catch_warnings():  # the library's warnings (no cuDNN here) as one line
+            warnings.showwarning = _warning_line
+            plan.run_plan(resolved, target, workdir.value, _SEARCH_BATCH.value)
     except (ConfigError, DataError, TargetUnavailable) as e:
         _fail(str(e))
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def run() -> None:
