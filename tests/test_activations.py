@@ -89,6 +89,40 @@ def test_dense_bias_add_stays_16_bit_but_a_strong_fp32_operand_promotes():
     assert model.apply(variables, x, other).dtype == F32
 
 
+def test_a_16_bit_bias_gradient_is_summed_in_fp32():
+    """A bias added in bf16 gets its gradient summed over batch x length rows in float32 and
+    rounded once: in bf16 the accumulator stops growing (here 32768 ones summed to 8192), and
+    the bias gradients of an MLP were 4-7 % off float32's where its kernels' were 0.4 %."""
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8)(nn.gelu(nn.Dense(32)(x)))
+
+    x = jax.random.normal(jax.random.key(1), (64, 512, 8))
+    y = jax.random.normal(jax.random.key(2), (64, 512, 8))
+    variables = MLP().init(jax.random.key(0), x)
+    model = wrap(MLP(), "mixed_bfloat16", activations="compute")
+
+    def loss(p, y):
+        return jnp.sum(model.apply({"params": p}, x).astype(F32) * y)
+
+    grad = jax.make_jaxpr(jax.grad(loss))(variables["params"], y).jaxpr
+    summed = [e.invars[0].aval.dtype for e in grad.eqns if e.primitive.name == "reduce_sum"]
+    assert summed and all(np.dtype(d) == F32 for d in summed), summed
+    ones = jax.jit(jax.grad(loss))(variables["params"], jnp.ones_like(y))
+    np.testing.assert_array_equal(ones["Dense_0"]["bias"], 64 * 512)  # the output layer
+    got = jax.jit(jax.grad(loss))(variables["params"], y)
+    ref = jax.grad(lambda p: jnp.sum(MLP().apply({"params": p}, x) * y))(variables["params"])
+
+    def err(layer, leaf):
+        diff = got[layer][leaf] - ref[layer][leaf]
+        return float(jnp.linalg.norm(diff) / jnp.linalg.norm(ref[layer][leaf]))
+
+    for layer in ("Dense_0", "Dense_1"):  # measured: 0.40 % and 0.55 %, kernels 0.44 %
+        assert err(layer, "bias") < 0.015, (layer, err(layer, "bias"), err(layer, "kernel"))
+
+
 def test_an_embedding_lookup_is_16_bit_data_and_its_gradient_sums_in_fp32():
     # An embedding lookup is data (table weak, token ids strong), carried in the compute dtype
     # as a 16-bit model's embedding returns it (Flax `dtype=`, Keras), so the residual stream it

@@ -13,7 +13,7 @@ from jax.extend import core as jcore
 
 from jamp import activations as act
 from jamp import fp8, jax_compat, mixed_ops, overrides
-from jamp.engine import _attention, _recompute
+from jamp.engine import _attention, _broadcast, _recompute
 from jamp.engine import _values as V
 
 ComputeFor = Callable[[jcore.JaxprEqn, Optional[np.dtype]], Optional[np.dtype]]
@@ -239,7 +239,11 @@ def _eval_polymorphic(eqn, invals, weak):
             cast.append(V.saturate(x, target))
         else:
             cast.append(V.cast(x, target))
-    return V.bind(eqn, cast, eqn.params)
+    name, shape = eqn.primitive.name, eqn.outvars[0].aval.shape
+    if name == "broadcast_in_dim" and eqn.params.get("sharding") is None:
+        dims = jax_compat.param(eqn, "broadcast_dimensions")
+        return [_broadcast.summed_in_f32(cast[0], shape, dims)]
+    return V.bind(eqn, _broadcast.operands(name, cast, shape), eqn.params)
 
 
 def _eval_custom_jvp(eqn, invals, weak, compute_dtype, ctx: _Ctx):
