@@ -79,6 +79,21 @@ def test_target_without_cudnn_warns_that_attention_will_not_be_fused(monkeypatch
         target_lib._topology.cache_clear()
 
 
+@pytest.mark.gpu_compile
+def test_compile_for_with_the_callers_dump_folder_reads_what_it_wrote(tmp_path):
+    """XLA options may name a dump folder of the user's: the report reads this compile's files
+    there (not another's left from before) and the folder keeps them."""
+    (tmp_path / "module_0001.jit_old.sm_9.0a_gpu_after_optimizations.txt").write_text("old")
+
+    def f(x):
+        return jnp.tanh(x @ x)
+
+    x = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
+    report = jamp.compile_for(f, x, target=H200, compiler_options={"xla_dump_to": str(tmp_path)})
+    assert "tanh" in report.hlo_text and report.memory.peak > 0
+    assert any("jit_f" in p.name and "buffer-assignment" in p.name for p in tmp_path.iterdir())
+
+
 def test_report_lists_what_the_engine_recognised_as_attention_by_decision():
     from types import SimpleNamespace
 
