@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from jamp import hardware
+from jamp import hardware, jax_compat
 from jamp.hlo import dump
 from jamp.inspect.compiled import memory_fraction  # re-exported: what "fits" is measured against
 
@@ -190,8 +190,6 @@ def get_target(name: Union[str, Target]) -> Target:
 def cudnn_available() -> bool:
     """Whether the CUDA plugin finds cuDNN here (installed by the gpu-compile extra). Without it
     a GPU program is compiled as for a GPU without cuDNN: attention written out, not fused."""
-    from jamp import jax_compat
-
     return plugin_available() and jax_compat.cudnn_version() is not None
 
 

@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import re
@@ -170,22 +171,30 @@ def _moves_only(inst, program: Program) -> bool:
     return inst.op == "fusion" and all(i.op in _CARRYING for i in program.body(inst))
 
 
-def _reaches(start: str, edges: dict[str, list[str]], program: Program) -> bool:
-    """Whether a matmul is reached from `start` along `edges` through pass-through operations."""
-    seen, todo = set(), list(edges.get(start, ()))
-    while todo:
-        name = todo.pop()
+def _walk(program: Program, starts, onward, limit: Optional[int] = None):
+    """The instructions reached from the names `starts`, nearest first, each once: from each,
+    on to the names `onward(inst)` gives (at most `limit` names visited)."""
+    seen: set[str] = set()
+    todo = collections.deque(starts)
+    while todo and (limit is None or len(seen) < limit):
+        name = todo.popleft()
         if name in seen:
             continue
         seen.add(name)
         inst = program.by_name.get(name)
-        if inst is None:
-            continue
-        if _is_matmul(inst):
-            return True
-        if inst.op in _PASS_THROUGH or _moves_only(inst, program):
-            todo.extend(edges.get(name, ()))
-    return False
+        if inst is not None:
+            yield inst
+            todo.extend(onward(inst))
+
+
+def _reaches(start: str, edges: dict[str, list[str]], program: Program) -> bool:
+    """Whether a matmul is reached from `start` along `edges` through pass-through operations."""
+
+    def onward(inst):
+        passes = inst.op in _PASS_THROUGH or _moves_only(inst, program)
+        return edges.get(inst.name, ()) if passes and not _is_matmul(inst) else ()
+
+    return any(_is_matmul(i) for i in _walk(program, edges.get(start, ()), onward))
 
 
 def _element_users(program: Program, users: dict, name: str, k: int, n: int) -> list[str]:
@@ -235,22 +244,15 @@ def _named_by_sources(program: Program, starts: Sequence[str], limit: int = 256)
     name stacks of the nearest instructions upstream that have one (a fusion by its body's),
     joined by ":" as XLA's combiners join the names of what they merge. Older XLAs (JAX 0.10's)
     drop the name when they combine collectives or move them out of the partitioner's scope."""
+
+    def name_of(inst) -> str:
+        return inst.op_name or next((i.op_name for i in program.body(inst) if i.op_name), "")
+
     names: list[str] = []
-    seen: set[str] = set()
-    todo = list(starts)
-    while todo and len(seen) < limit:
-        name = todo.pop(0)
-        if name in seen:
-            continue
-        seen.add(name)
-        inst = program.by_name.get(name)
-        if inst is None:
-            continue
-        found = inst.op_name or next((i.op_name for i in program.body(inst) if i.op_name), "")
+    for inst in _walk(program, starts, lambda i: () if name_of(i) else i.operands, limit):
+        found = name_of(inst)
         if found and found not in names:
             names.append(found)
-        elif not found:
-            todo.extend(inst.operands)
     return ":".join(names)
 
 
