@@ -6,6 +6,10 @@ model opens them instead: its own call in `jamp_nnx_root(TransformerLM)` (`ROOT_
 submodule's calls in one holding its whole attribute path, `jamp_nnx(blocks.0.attention)`
 (`CALL_SCOPE`; "." between the parts, as a "/" would split the scope in JAX's name stack).
 `jamp.inspect` and the fp8 site names read them back (`plain`).
+
+`SUM_SCOPE` names no module: jamp's engine sums a 16-bit operand's gradient over the axes it was
+broadcast along (a position embedding's, over the batch) as a product with ones in it, so that
+those GEMMs are told apart from the layer's own; module paths leave it out.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import re
 
 CALL_SCOPE = "jamp_nnx"
 ROOT_SCOPE = "jamp_nnx_root"
+SUM_SCOPE = "jamp_broadcast_sum"
 
 _CALL = re.compile(rf"^{CALL_SCOPE}\(([^()/]*)\)$")
 _ROOT = re.compile(rf"^{ROOT_SCOPE}\((\w+)\)$")

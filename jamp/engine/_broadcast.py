@@ -23,6 +23,7 @@ import numpy as np
 from jax import lax
 
 from jamp.engine import _values as V
+from jamp.scopes import SUM_SCOPE
 
 #: Elementwise operations whose operands JAX broadcasts (size-1 axes, or a rank-0 operand).
 ELEMENTWISE = frozenset({"add", "add_any", "sub", "mul", "div", "max", "min"})
@@ -44,15 +45,21 @@ def _broadcast_bwd(shape, dims, x_shape, x_dtype, _, g):
     lead = len(summed)
     if summed == list(range(lead)) and len(shape) - lead >= 2:
         # Summed over leading axes, leaving an array (a position embedding's gradient, summed
-        # over the batch): a product with a row of ones, 16-bit operands accumulated in float32.
-        # As a reduction over the batch axis, at 32 sequences of GPT-2 small's widths XLA:GPU
-        # laid the whole step's activations out batch-minor with a transpose at every matmul
-        # (+7.5 % predicted step time); a bias's sum (leaving one axis) stays a reduction.
+        # over the batch; an attention bias's, over batch and length): a product with ones,
+        # 16-bit operands accumulated in float32. As a reduction over the batch axis, at 32
+        # sequences of GPT-2 small's widths XLA:GPU laid the whole step's activations out
+        # batch-minor with a transpose at every matmul (+7.5 % predicted step time). The ones
+        # are two rows, of which one is kept: XLA:GPU turns a product with a single row (a
+        # vector) back into a reduction below 10M elements (DotStrengthReduction), which at
+        # sequences of 256 did the same. A bias's sum (leaving one axis) stays a reduction: as
+        # a product, GPT-2 small's H200 step at batch 8 was predicted slower (19.77 against
+        # 19.67 ms: more GEMM time than the reductions it saved).
         rows, cols = int(np.prod(shape[:lead])), int(np.prod(shape[lead:]))
-        ones = jnp.ones((rows,), g.dtype)
-        total = lax.dot_general(
-            ones, g.reshape(rows, cols), (((0,), (0,)), ((), ())), preferred_element_type=_F32
-        )
+        with jax.named_scope(SUM_SCOPE):  # named: a GEMM that is not a layer's
+            ones = jnp.ones((2, rows), g.dtype)
+            total = lax.dot_general(
+                ones, g.reshape(rows, cols), (((1,), (0,)), ((), ())), preferred_element_type=_F32
+            )[0]
     else:
         total = lax.reduce_sum(g.astype(_F32), tuple(summed))
     return (total.reshape(x_shape).astype(x_dtype),)

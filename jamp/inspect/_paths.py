@@ -10,7 +10,8 @@ instruction's `op_name`. Around those names sit what JAX and jamp add:
   `vmap(Dense_0)` a vmapped module; HLO op names start with `jit(step)/jit(main)/`;
 * `jamp.wrap` tags the calls of overridden submodules (normalization layers included) with a
   `jamp_policy_<i>_` scope, and `jamp.autocast` names an equation that had no name `_`;
-* names that are no module: `jnp.einsum`'s spec, `rematted_computation`, user scopes.
+* names that are no module: `jnp.einsum`'s spec, `rematted_computation`, jamp's
+  `jamp_broadcast_sum` (`jamp.scopes.SUM_SCOPE`), user scopes.
 
 `module_path` strips all of that down to the path Flax gives the module in the variables tree
 ("DecoderBlock_0/Dense_0"; "" outside any module). It is exact for a trace recorded with
@@ -46,6 +47,7 @@ from jamp.overrides import TAG_PREFIX as wrap_tag
 from jamp.overrides import tag_index as _tag_index
 from jamp.scopes import CALL_SCOPE as _NNX_SCOPE
 from jamp.scopes import ROOT_SCOPE as _NNX_ROOT
+from jamp.scopes import SUM_SCOPE as _SUM_SCOPE
 
 #: The scope `jamp.wrap` puts around an overridden submodule's call (see `jamp.overrides.tag`).
 _TAG = re.compile(rf"^{re.escape(wrap_tag)}(\d+)_$")
@@ -55,8 +57,8 @@ _WRAPPED = re.compile(r"^Wrapped\.\w+$")
 _MODULE_LIKE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_<>]\w*>?)?$")
 # Transforms whose argument is a function's name, not a scope of the program.
 _FUNCTION_TRANSFORMS = frozenset({"jit", "pjit"})
-# Scopes JAX itself opens inside a program.
-_JAX_NAMES = frozenset({"rematted_computation"})
+# Scopes JAX itself, or jamp's engine, opens inside a program.
+_JAX_NAMES = frozenset({"rematted_computation", _SUM_SCOPE})
 
 
 @dataclasses.dataclass(frozen=True)
