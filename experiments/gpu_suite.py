@@ -3,12 +3,14 @@
     python experiments/gpu_suite.py --out DIR             # on a GPU (experiments/gpu_suite.sh)
     python experiments/gpu_suite.py --quick --out DIR     # the CPU dry run, tiny shapes
 
-Rows (experiments/gpt2_variants.py; batch 8 x 1024, AdamW, next-token loss, random tokens):
-jamp mixed_bfloat16, float32 (TF32: JAX's default precision on NVIDIA GPUs), the hand-written
-bf16 network with cuDNN attention, jamp bf16 with jamp.losses' cross-entropy, jamp mixed_float16 (dynamic loss scale), Hugging Face's Flax
-GPT-2 wrapped in mixed_bfloat16 (transformers < 5), and PyTorch's GPT-2 (Hugging Face's) under
-torch.autocast(bfloat16) + torch.compile as the peer (gpu_suite_torch.py); then the jamp bf16
-step again under other XLA settings (command buffers off, cuBLAS GEMMs instead of Triton).
+Rows (experiments/gpt2_variants.py; batch 8 x 1024 unless named, AdamW, next-token loss, random
+tokens): jamp mixed_bfloat16, the same with the head and loss in chunks
+(jamp.losses.fused_linear_cross_entropy), float32 (TF32: JAX's default precision on NVIDIA
+GPUs), the hand-written bf16 network with cuDNN attention, PyTorch's GPT-2 (Hugging Face's) under
+torch.autocast(bfloat16) + torch.compile as the peer (gpu_suite_torch.py), jamp mixed_float16
+(dynamic loss scale), Hugging Face's Flax GPT-2 wrapped in mixed_bfloat16 (transformers < 5);
+jamp bf16 and the peer at batch 32 (where the MFU target is); then the jamp bf16 step again
+under other XLA settings (command buffers off, cuBLAS GEMMs instead of Triton).
 
 Each row is its own process (its own peak memory, its own XLA flags). They start together, up to
 --parallel at once, so that their compiles (17-40 s each on the loaned machine) overlap on its
@@ -54,6 +56,8 @@ ROWS = (
     ("torch_compile_bf16", "torch", "", "PyTorch GPT-2, torch.autocast(bf16) + torch.compile"),
     ("lm_jamp_f16", "lm_jamp_f16", "", "jamp.wrap mixed_float16 + make_train_step (loss scale)"),
     ("hf_jamp_bf16", "hf_jamp_bf16", "", "Hugging Face Flax GPT-2, jamp.wrap mixed_bfloat16"),
+    ("lm_jamp_bf16_b32", "lm_jamp_bf16", "", "jamp.wrap mixed_bfloat16, batch 32"),
+    ("torch_compile_bf16_b32", "torch", "", "PyTorch GPT-2, autocast + torch.compile, batch 32"),
     (
         "lm_jamp_bf16_no_cmdbuf",
         "lm_jamp_bf16",
@@ -68,6 +72,8 @@ ROWS = (
     ),
 )
 PROFILED = "lm_jamp_bf16"
+#: Rows at their own batch (the MFU target is at 32); the others take --batch.
+BATCH = {"lm_jamp_bf16_b32": 32, "torch_compile_bf16_b32": 32}
 WARMUP, BLOCKS, STEPS = 3, 3, 10
 PEAK_TFLOPS = 989.4  # H200 dense bf16, for MFU (PaLM's model FLOPs)
 
@@ -203,6 +209,7 @@ def _profile(compiled, run, text, estimate, args) -> dict:
 
 def worker(args) -> None:
     row, variant, _, label = next(r for r in ROWS if r[0] == args.worker)
+    args.batch = BATCH.get(row, args.batch)
     started = time.perf_counter()
     try:
         if variant == "torch":
@@ -213,7 +220,7 @@ def worker(args) -> None:
             result = _jax_row(row, variant, args)
     except ImportError as e:  # a missing peer (torch, transformers): the row says so
         result = {"skipped": f"{type(e).__name__}: {e}"}
-    result.update(row=row, label=label, wall_s=time.perf_counter() - started)
+    result.update(row=row, label=label, batch=args.batch, wall_s=time.perf_counter() - started)
     result.update(environment())
     (args.out / f".row-{row}.json").write_text(json.dumps(result))
 
@@ -233,35 +240,42 @@ def environment() -> dict:
 # ----- the driver
 
 
+def _per_token(row: dict, other) -> str:
+    """`row`'s tokens/s over `other`'s (rows at other batches compare per token)."""
+    return f"{row['tokens_per_s'] / other['tokens_per_s']:.2f}x" if other else "-"
+
+
 def _table(rows: list[dict], quick: bool) -> str:
     base = next((r for r in rows if r["row"] == "lm_fp32" and "step_ms" in r), None)
-    peer = next((r for r in rows if r["row"] == "torch_compile_bf16" and "step_ms" in r), None)
+    peers = {
+        r.get("batch"): r for r in rows if r["row"].startswith("torch_compile") and "step_ms" in r
+    }
     lines = [
-        "| row | step ms | tokens/s | vs fp32 | vs torch.compile | MFU | peak GiB | XLA plan GiB "
+        "| row | batch | step ms | tokens/s | vs fp32 | vs torch.compile | MFU | peak GiB "
+        "| XLA plan GiB "
         "| predicted ms (error) | kernels | compile s | loss first -> last |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "step_ms" not in r:
-            lines.append(f"| {r['label']} | {r.get('skipped', 'no result')} |" + " |" * 10)
+            lines.append(f"| {r['label']} | {r.get('skipped', 'no result')} |" + " |" * 11)
             continue
         ms = r["step_ms"]
         pred = r.get("predicted_ms")
         err = f"{pred:.2f} ({pred / ms - 1:+.1%})" if pred else "-"
+        peer = peers.get(r.get("batch"))
         lines.append(
-            f"| {r['label']} | {ms:.2f} | {r['tokens_per_s'] / 1e3:.1f}k "
-            f"| {base['step_ms'] / ms:.2f}x | "
-            + (f"{peer['step_ms'] / ms:.2f}x" if peer else "-")
-            + f" | {r['mfu']:.1%} | "
+            f"| {r['label']} | {r.get('batch', '-')} | {ms:.2f} | {r['tokens_per_s'] / 1e3:.1f}k "
+            f"| {_per_token(r, base)} | {_per_token(r, peer)} | {r['mfu']:.1%} | "
             + (f"{r['peak_gib']:.2f}" if r.get("peak_gib") else "-")
             + f" | {r.get('plan_peak_gib', 0) or 0:.2f} | {err} | {r.get('kernels', '-')} "
             f"| {r['compile_s']:.1f} | {r['loss_first_last'][0]:.3f} -> "
             f"{r['loss_first_last'][1]:.3f} |"
-            if base
-            else f"| {r['label']} | {ms:.2f} | ... |"
         )
     shape = (
-        "tiny shapes (--quick)" if quick else "GPT-2 small (12 x 768, vocab 50304), batch 8 x 1024"
+        "tiny shapes (--quick)"
+        if quick
+        else "GPT-2 small (12 x 768, vocab 50304), sequences of 1024, batch 8 unless a row says"
     )
     head = [
         "# GPU suite",
@@ -271,7 +285,8 @@ def _table(rows: list[dict], quick: bool) -> str:
         "matmul precision on NVIDIA GPUs); peak = the allocator's peak bytes; XLA plan = "
         "its buffer assignment for the program; predicted = jamp.inspect.timing's model of the "
         "compiled program (a model, not a measurement); MFU = PaLM's model FLOPs against "
-        f"{PEAK_TFLOPS} TFLOP/s.",
+        f"{PEAK_TFLOPS} TFLOP/s; vs fp32 and vs torch.compile are ratios of tokens/s (the "
+        "torch.compile row at the row's batch).",
         "",
     ]
     env = rows[0] if rows else {}
