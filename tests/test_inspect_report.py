@@ -324,6 +324,11 @@ def test_compiled_hazards_flag_an_fp32_gemm_where_the_jaxpr_asked_for_bf16():
         ("transpose(jvp(Wrapped.apply))/M/M.extra/head", "head", True),
         ("jvp(Wrapped.apply)/M/vmap(vd)", "vd", False),
         ("jvp(outer/inner)/leaf", "outer/inner/leaf", False),
+        (  # a 16-bit bias's gradient, summed by jamp's engine (jamp.scopes.SUM_SCOPE)
+            "transpose(jvp(Wrapped.apply))/M/Block_0/MHA_0/value/jamp_broadcast_sum",
+            "Block_0/MHA_0/value",
+            True,
+        ),
     ],
 )
 def test_paths_module_path_strips_transforms_roots_and_tags(stack, path, backward):
