@@ -75,7 +75,18 @@ PROFILED = "lm_jamp_bf16"
 #: Rows at their own batch (the MFU target is at 32); the others take --batch.
 BATCH = {"lm_jamp_bf16_b32": 32, "torch_compile_bf16_b32": 32}
 WARMUP, BLOCKS, STEPS = 3, 3, 10
-PEAK_TFLOPS = 989.4  # H200 dense bf16, for MFU (PaLM's model FLOPs)
+PEAK_TFLOPS = 989.4  # H100 SXM and H200 dense bf16, for MFU (PaLM's model FLOPs)
+
+
+def _gpu():
+    """The GPU of jamp.target that the predictions are for: the one this machine has (a loan
+    may be an H100 or an H200), the H200 on a CPU (the dry run)."""
+    import jax
+
+    from jamp.target import GPUS
+
+    kind = getattr(jax.devices()[0], "device_kind", "")
+    return next((g for g in GPUS.values() if g.kind == kind), GPUS["h200"])
 
 
 # ----- a worker: one row in its own process
@@ -106,7 +117,6 @@ def _jax_row(row, variant, args) -> dict:
 
     from jamp import hlo
     from jamp.inspect import timing
-    from jamp.target import GPUS
 
     on_gpu = jax.default_backend() == "gpu"
     built = gpt2_variants.build(variant, batch=args.batch, quick=args.quick)
@@ -115,7 +125,7 @@ def _jax_row(row, variant, args) -> dict:
     compiled = built.step.lower(*state).compile()
     compile_s = time.perf_counter() - started
     text = compiled.as_text()
-    estimate = timing.estimate(hlo.parse(text), GPUS["h200"]) if on_gpu or args.quick else None
+    estimate = timing.estimate(hlo.parse(text), _gpu()) if on_gpu or args.quick else None
     losses = []
 
     def run(wait):
@@ -185,10 +195,10 @@ def _profile(compiled, run, text, estimate, args) -> dict:
         from jamp import hlo
         from jamp.hlo.kernels import kernels
         from jamp.inspect.timing import kernel_seconds
-        from jamp.target import GPUS
 
+        gpu = _gpu()
         for k in kernels(hlo.parse(text)):
-            predicted[k.name] = (kernel_seconds(k, GPUS["h200"])[0] * k.count * 1e3, k.kind)
+            predicted[k.name] = (kernel_seconds(k, gpu)[0] * k.count * 1e3, k.kind)
     top = sorted(measured.items(), key=lambda kv: -kv[1])[:20]
     return {
         "source": source,
@@ -234,6 +244,7 @@ def environment() -> dict:
         "backend": jax.default_backend(),
         "jax": jax.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "predicted_for": _gpu().name,
     }
 
 
@@ -291,7 +302,8 @@ def _table(rows: list[dict], quick: bool) -> str:
     ]
     env = rows[0] if rows else {}
     head.append(
-        f"Device: {env.get('device', '?')} ({env.get('backend', '?')}), jax {env.get('jax', '?')}."
+        f"Device: {env.get('device', '?')} ({env.get('backend', '?')}), jax {env.get('jax', '?')}; "
+        f"predicted for jamp.target's {env.get('predicted_for', '?')}."
     )
     return "\n".join(head + [""] + lines) + "\n"
 
