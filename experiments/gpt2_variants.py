@@ -12,6 +12,7 @@ the logits cast to float32):
   lm_jamp_bf16_chunked  the same with jamp.losses.fused_linear_cross_entropy (the head applied
                     by the loss in chunks of positions: no logits formed)
   lm_jamp_f16       jamp.wrap(model, "mixed_float16") + make_train_step, dynamic loss scale
+  lm_jamp_fp8       jamp.wrap(model, "mixed_fp8") + make_train_step, delayed scaling (history 16)
   lm_hand_bf16      the same network written by hand in bf16 Flax (peers_flax.HandLM) with
                     jax.nn.dot_product_attention(implementation="cudnn"), a plain step
   hf_fp32           Hugging Face's Flax GPT-2 (transformers < 5), float32, a plain step
@@ -56,6 +57,7 @@ VARIANTS = (
     "lm_jamp_bf16_losses",
     "lm_jamp_bf16_chunked",
     "lm_jamp_f16",
+    "lm_jamp_fp8",
     "lm_hand_bf16",
     "lm_plain_bf16",
     "hf_fp32",
@@ -172,7 +174,8 @@ def build(name: str, batch: int = 8, quick: bool = False, shape: dict | None = N
     loss_of = _jamp_loss if kind.endswith("_losses") else _loss
     chunked = kind.endswith("_chunked")
     kind = kind.removesuffix("_losses").removesuffix("_chunked")
-    policy = {"jamp_bf16": "mixed_bfloat16", "jamp_f16": "mixed_float16"}.get(kind)
+    policy = {"jamp_bf16": "mixed_bfloat16", "jamp_f16": "mixed_float16", "jamp_fp8": "mixed_fp8"}
+    policy = policy.get(kind)
     wrap_policy = policy or ("mixed_bfloat16" if kind == "plain_bf16" else None)
     if family == "lm" and kind == "hand_bf16":
         module = _model("hand", shape, jnp.bfloat16)
@@ -211,9 +214,13 @@ def build(name: str, batch: int = 8, quick: bool = False, shape: dict | None = N
 
         loss_scale = jamp.loss_scale_for(policy)
         step = jax.jit(jamp.make_train_step(loss_fn, tx), donate_argnums=(0,))
+        fp8_state = None
+        if policy == "mixed_fp8":  # one site per fp8 matmul, found by tracing the loss once
+            example = (params_shape, {}, {"tokens": tokens}, None)
+            fp8_state = jamp.fp8.init_state(loss_fn, *example, recipe="delayed", history=16)
 
         def make_state(p):
-            return jamp.TrainState.create(p, tx, loss_scale=loss_scale)
+            return jamp.TrainState.create(p, tx, loss_scale=loss_scale, fp8_state=fp8_state)
 
         abstract = (
             jax.eval_shape(make_state, params_shape),

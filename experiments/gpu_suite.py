@@ -9,8 +9,9 @@ tokens): jamp mixed_bfloat16, the same with the head and loss in chunks
 GPUs), the hand-written bf16 network with cuDNN attention, PyTorch's GPT-2 (Hugging Face's) under
 torch.autocast(bfloat16) + torch.compile as the peer (gpu_suite_torch.py), jamp mixed_float16
 (dynamic loss scale), Hugging Face's Flax GPT-2 wrapped in mixed_bfloat16 (transformers < 5);
-jamp bf16 and the peer at batch 32 (where the MFU target is); then the jamp bf16 step again
-under other XLA settings (command buffers off, cuBLAS GEMMs instead of Triton).
+jamp bf16 and the peer at batch 32 (where the MFU target is); jamp mixed_fp8 (delayed
+scaling); then the jamp bf16 step again under other XLA settings (command buffers off, cuBLAS
+GEMMs instead of Triton).
 
 Each row is its own process (its own peak memory, its own XLA flags). They start together, up to
 --parallel at once, so that their compiles (17-40 s each on the loaned machine) overlap on its
@@ -58,6 +59,7 @@ ROWS = (
     ("hf_jamp_bf16", "hf_jamp_bf16", "", "Hugging Face Flax GPT-2, jamp.wrap mixed_bfloat16"),
     ("lm_jamp_bf16_b32", "lm_jamp_bf16", "", "jamp.wrap mixed_bfloat16, batch 32"),
     ("torch_compile_bf16_b32", "torch", "", "PyTorch GPT-2, autocast + torch.compile, batch 32"),
+    ("lm_jamp_fp8", "lm_jamp_fp8", "", "jamp.wrap mixed_fp8 (delayed scaling) + make_train_step"),
     (
         "lm_jamp_bf16_no_cmdbuf",
         "lm_jamp_bf16",

@@ -10,7 +10,7 @@
 # tokenizers 0.22.1, huggingface_hub 0.36.0, jmp 0.0.4 (and ml-collections where needed):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_17_x86_64 -d .whl transformers==4.57.6 ...
-# The expected wall time on one H200 (or H100): about 3.5 minutes (11 rows, 5 compiling at once
+# The expected wall time on one H200 (or H100): about 4 minutes (12 rows, 5 compiling at once
 # at 17-40 s each, then 2-4 s of timing each under a lock; a torch.compile row ~40 s to its first
 # step).
 set -euo pipefail
