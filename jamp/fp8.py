@@ -109,8 +109,23 @@ def scale_for(amax, fmax, margin: float = 0.0, fallback=1.0):
     return jnp.where(ok, jnp.minimum(scale, _SCALE_CAP), jnp.asarray(fallback, _F32))
 
 
+#: The longest axis `_max_last` takes as elementwise maxima.
+_UNROLLED_MAX = 64
+
+
 def _amax(x) -> jax.Array:
     return jnp.max(jnp.abs(x.astype(_F32))) if x.size else jnp.zeros((), _F32)
+
+
+def _max_last(x) -> jax.Array:
+    """The maximum over the last axis of a small array (a site's history, its three rows), as
+    elementwise maxima of its slices: XLA:GPU fuses those into the kernel that reads the result,
+    where a reduction is a kernel of its own (GPT-2 small's fp8 step, history 16, on the H200
+    program: 2311 -> 1795 kernels). The same values: a maximum is exact. A long axis (a history
+    of hundreds) stays a reduction."""
+    if x.shape[-1] > _UNROLLED_MAX:
+        return jnp.max(x, axis=-1)
+    return functools.reduce(jnp.maximum, [x[..., i] for i in range(x.shape[-1])])
 
 
 # ----- the state
@@ -291,7 +306,7 @@ def update(state: Fp8State, observed: Fp8State) -> Fp8State:
     def one(site: Site, seen: Site) -> Site:
         now = seen.amax_history[:, :1]
         history = jnp.concatenate([now, site.amax_history[:, :-1]], axis=1)
-        scale = scale_for(jnp.max(history, axis=1), _FMAX, state.margin, site.scale)
+        scale = scale_for(_max_last(history), _FMAX, state.margin, site.scale)
         return Site(history, scale)
 
     sites = {name: one(site, observed.sites[name]) for name, site in state.sites.items()}
@@ -307,8 +322,8 @@ def saturation(state: Fp8State, observed: Fp8State) -> dict:
     out = {}
     for name, site in state.sites.items():
         now = observed.sites[name].amax_history[:, 0]
-        ratio = jnp.max(now * site.scale / _FMAX)
-        seen = jnp.max(site.amax_history) > 0
+        ratio = _max_last(now * site.scale / _FMAX)
+        seen = _max_last(_max_last(site.amax_history)) > 0
         delayed = state.recipe == "delayed"
         out[name] = jnp.where(seen, ratio, 0.0) if delayed else jnp.zeros((), _F32)
     return out
@@ -399,7 +414,7 @@ def _scale(site: Site, row: int, amax, delayed: bool, margin: float):
         return scale_for(amax(), _FMAX[row], margin)
     # A branch, not a select: once the site has a history no reduction stands before the GEMM
     # (the amax recorded for the next step is computed beside it).
-    seen = jnp.max(site.amax_history[row]) > 0
+    seen = _max_last(site.amax_history[row]) > 0
     return lax.cond(seen, lambda: site.scale[row], lambda: scale_for(amax(), _FMAX[row], margin))
 
 
