@@ -68,6 +68,8 @@ VARIANTS = (
     "llama_plain_bf16",
 )
 LR = 1e-4
+#: The jamp variants' policies, by the name's second part.
+POLICIES = {"jamp_bf16": "mixed_bfloat16", "jamp_f16": "mixed_float16", "jamp_fp8": "mixed_fp8"}
 
 
 @dataclasses.dataclass
@@ -174,8 +176,7 @@ def build(name: str, batch: int = 8, quick: bool = False, shape: dict | None = N
     loss_of = _jamp_loss if kind.endswith("_losses") else _loss
     chunked = kind.endswith("_chunked")
     kind = kind.removesuffix("_losses").removesuffix("_chunked")
-    policy = {"jamp_bf16": "mixed_bfloat16", "jamp_f16": "mixed_float16", "jamp_fp8": "mixed_fp8"}
-    policy = policy.get(kind)
+    policy = POLICIES.get(kind)
     wrap_policy = policy or ("mixed_bfloat16" if kind == "plain_bf16" else None)
     if family == "lm" and kind == "hand_bf16":
         module = _model("hand", shape, jnp.bfloat16)

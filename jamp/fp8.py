@@ -412,8 +412,10 @@ def _scale(site: Site, row: int, amax, delayed: bool, margin: float):
     tensor's own (current scaling; also a delayed site's first step, which has no history)."""
     if not delayed:
         return scale_for(amax(), _FMAX[row], margin)
-    # A branch, not a select: once the site has a history no reduction stands before the GEMM
-    # (the amax recorded for the next step is computed beside it).
+    # A branch, not a select: once the site has a history no reduction need stand before the
+    # GEMM (the amax recorded for the next step is computed beside it). XLA:GPU may still make
+    # it a select (it does in GPT-2 small's step on the H200 program), its amax shared with the
+    # recorded one.
     seen = _max_last(site.amax_history[row]) > 0
     return lax.cond(seen, lambda: site.scale[row], lambda: scale_for(amax(), _FMAX[row], margin))
 
