@@ -391,13 +391,14 @@ def _category(kernel) -> str:
 def _cost_row(label, variant, program_text, batch=8, compile_s=0.0, memory=None):
     from jamp import hlo
     from jamp.grad_stats import SCOPE
-    from jamp.hlo.kernels import kernels, shared_results
+    from jamp.hlo.kernels import ends_in_reduction, kernels, shared_results
     from jamp.inspect import timing
     from jamp.target import GPUS
 
     program = hlo.parse(program_text)
     est = timing.estimate(program, GPUS["h200"])
     found = kernels(program)
+    shared = shared_results(program, SCOPE)
     categories: dict[str, list] = {}
     for k in found:
         entry = categories.setdefault(_category(k), [0, 0.0])
@@ -411,7 +412,8 @@ def _cost_row(label, variant, program_text, batch=8, compile_s=0.0, memory=None)
         "peak": memory.peak if memory else 0,
         "compile_s": round(compile_s, 1),
         "kernels": est.kernels,
-        "shared": len(shared_results(program, SCOPE)),
+        "shared": len(shared),
+        "shared_reducing": sum(ends_in_reduction(program, name) for name in shared),
         "stats_kernels": sum(k.count for k in found if f"/{SCOPE}/" in k.op_name),
         "predicted_ms": est.seconds * 1e3,
         "categories": {k: {"kernels": n, "ms": t * 1e3} for k, (n, t) in categories.items()},

@@ -223,20 +223,21 @@ def _step_cost_tables(rows) -> list[str]:
 
     plain = {key(r): r for r in rows if "plain" in r["variant"]}
     lines = [
-        "| step | kernels | vs plain step | gradients written for the check | besides them "
-        "| norm + finite kernels | predicted ms |",
-        "|---|---|---|---|---|---|---|",
+        "| step | kernels | vs plain step | gradients written for the check | of them reducing "
+        "| besides them | norm + finite kernels | predicted ms |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         base = plain.get(key(r))
         ratio = f"{r['kernels'] / base['kernels']:.3f}x" if base else "-"
         rest = f"{(r['kernels'] - r['shared']) / base['kernels']:.3f}x" if base else "-"
         if r.get("before"):  # its checks had no name scope to find them by
-            shared = rest = stats = "-"
+            shared = reducing = rest = stats = "-"
         else:
             shared, stats = r["shared"], r["stats_kernels"]
+            reducing = r.get("shared_reducing", "-")
         lines.append(
-            f"| {r['label']} | {r['kernels']} | {ratio} | {shared} | {rest} "
+            f"| {r['label']} | {r['kernels']} | {ratio} | {shared} | {reducing} | {rest} "
             f"| {stats} | {r['predicted_ms']:.2f} |"
         )
     jamp = next((r for r in rows if r["variant"] == "lm_jamp_bf16" and not r.get("before")), None)
@@ -306,7 +307,10 @@ def write(results, out: pathlib.Path, *, fraction: float, target):
             "says so). Kernels: launches per step of the H200 program. Plain step: "
             "`jax.value_and_grad` + `optax.adamw` on the same wrapped model. Gradients written "
             "for the check: loop fusions XLA writes out because both the finite check and the "
-            "update read them (a plain step's update fuses them in). Predicted: "
+            "update read them (a plain step's update fuses them in); of them reducing: those "
+            "whose kernel ends in a reduction (a split-K GEMM's sum of its partial products, a "
+            "two-row bias sum), which XLA:GPU fuses into the update but not into the check's "
+            "own reduction. Predicted: "
             "jamp.inspect.timing's model of the program, calibrated on three measured H200 "
             "steps (a model, not a measurement). '(before)': the same program at the earlier "
             "commit named in the run record.",
