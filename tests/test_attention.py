@@ -26,8 +26,8 @@ CAUSAL = nn.make_causal_mask(jnp.ones((B, T)))
 LENGTHS = jnp.array([T, T - 5])
 
 
-def _padding_bias():
-    keep = jnp.arange(T)[None, :] < LENGTHS[:, None]  # data: which keys are padding
+def _padding_bias(lengths=LENGTHS):
+    keep = jnp.arange(T)[None, :] < lengths[:, None]  # which keys are padding
     fill = jnp.full((B, 1, 1, T), jnp.finfo(jnp.float32).min)
     return jax.lax.select(keep[:, None, None, :], jnp.zeros((B, 1, 1, T)), fill)
 
@@ -120,16 +120,63 @@ def test_attention_reads_constant_causal_masks_as_causal_and_keeps_data_masks(mo
     _run(FORMS["hand-written"], BF16)(Q, K, V)
     assert [(c["causal"], c["mask"], c["bias"]) for c in calls] == [(True, None, None)] * 2
     calls.clear()
-    _run(FORMS["linen padding bias"], BF16)(Q, K, V)
+    padded = lambda q, k, v, n: nn.dot_product_attention(q, k, v, bias=_padding_bias(n))  # noqa: E731
+    _run(padded, BF16)(Q, K, V, LENGTHS)  # the lengths are data
     (call,) = calls
     assert not call["causal"] and call["mask"] is None
     assert call["bias"].shape == (B, 1, 1, T)  # small: broadcast over heads and queries
+    calls.clear()
+    _run(FORMS["linen padding bias"], BF16)(Q, K, V)  # constant lengths: a bias of 0 or min
+    (call,) = calls
+    assert call["bias"] is None and call["mask"].shape == (B, 1, 1, T)
     calls.clear()
     data_mask = jnp.arange(T)[None, None, None, :] < LENGTHS[:, None, None, None]
     _run(lambda q, k, v, m: nn.dot_product_attention(q, k, v, mask=m), BF16)(Q, K, V, data_mask)
     (call,) = calls
     assert not call["causal"] and call["mask"].shape == (B, 1, 1, T)
     assert call["scale"] == 1.0  # Flax scales the queries itself
+
+
+def _hf_causal_bias(q, k, v):
+    """Hugging Face's Flax GPT-2: its causal mask and the all-ones attention mask it makes when
+    given none, combined, broadcast over the batch and made an additive bias of 0 or min."""
+    causal = nn.make_causal_mask(jnp.ones((1, T), bool), dtype=bool)
+    causal = jnp.broadcast_to(causal, (B, 1, T, T))
+    ones = jnp.broadcast_to(jnp.ones((B, T))[:, None, None, :], causal.shape)
+    mask = nn.combine_masks(ones, causal)
+    bias = jax.lax.select(
+        mask > 0, jnp.zeros(mask.shape), jnp.full(mask.shape, jnp.finfo(jnp.float32).min)
+    )
+    return nn.dot_product_attention(q, k, v, bias=bias)
+
+
+def test_attention_reads_constant_masks_of_any_batch_size_compressed(monkeypatch):
+    """A constant mask is read while tracing on values compressed along the axes they are
+    constant on: a causal mask broadcast over a batch larger than what is evaluated whole (here
+    64 elements; GPT-2 small's step at batch 32: 33.5M > 16.8M, which ran cuDNN unmasked at twice
+    the FLOPs, with a [32, 1, 1024, 1024] bias) is still cuDNN's causal mask type, and so is a
+    constant bias of 0 and the most negative float (Hugging Face's form)."""
+    from jamp.engine import _attention_scope
+
+    monkeypatch.setattr(_attention_scope, "_MAX_CONCRETE", 64)
+    calls = []
+    original = attention.attend
+
+    def spy(q, k, v, **kw):
+        calls.append(kw)
+        return original(q, k, v, **kw)
+
+    monkeypatch.setattr(attention, "attend", spy)
+    batch_causal = lambda q, k, v: nn.dot_product_attention(  # noqa: E731
+        q, k, v, mask=nn.make_causal_mask(jnp.ones((B, T)))
+    )
+    for fn in (batch_causal, _hf_causal_bias, FORMS["hand-written"]):
+        got = _run(fn, BF16)(Q, K, V)
+        want = _run(fn, BF16, fuse=False)(Q, K, V)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2
+        )
+    assert [(c["causal"], c["mask"], c["bias"]) for c in calls] == [(True, None, None)] * 3
 
 
 def _spy_attend(monkeypatch):

@@ -79,13 +79,15 @@ def _masks(attn: Attn, roles_order, full_sizes):
     if known:
         # numpy 2.5's stubs read as Python 3.11 match no overload of reduce for any array
         both = np.logical_and.reduce(np.broadcast_arrays(*known)) if len(known) > 1 else known[0]  # type: ignore[call-overload]
+        # Constants come compressed (size 1 along the axes they are constant on; see
+        # `_attention_scope.Scope`), and the mask stays so: [1, 1, T, S] for a batch of them.
         combined = _to_bnts(both, roles_order, full_sizes, np)
-        first = combined[:1, :1]
-        t, s = combined.shape[-2:]
-        if (combined == first).all():
+        t, s = full_sizes[roles_order[2]], full_sizes[roles_order[3]]
+        if (combined == combined[:1, :1]).all():
+            first = np.broadcast_to(combined[0, 0], (t, s))
             if first.all():
                 combined = None
-            elif (first[0, 0] == np.tril(np.ones((t, s), bool))).all():
+            elif (first == np.tril(np.ones((t, s), bool))).all():
                 causal, combined = True, None
         if combined is not None:
             mask = jnp.asarray(combined) if mask is None else jnp.logical_and(mask, combined)

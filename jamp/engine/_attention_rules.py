@@ -154,8 +154,9 @@ def _concrete_in_layout(x, atom, scope, sym: Sym) -> Optional[np.ndarray]:
     if c is None:
         return None
     if isinstance(x, Sym):  # the source of a lazy broadcast: placed as `_small` places it
-        src = np.shape(x.value)
-        c = c.reshape([src[x.dims.index(i)] if i in x.dims else 1 for i in range(len(x.shape))])
+        # (compressed: size 1 along the axes it is constant on, which stay so)
+        c = np.reshape(c, (1,) * np.ndim(x.value)) if np.ndim(c) == 0 else c
+        c = c.reshape([c.shape[x.dims.index(i)] if i in x.dims else 1 for i in range(len(x.shape))])
     return _in_layout(c, sym, np)
 
 
@@ -255,6 +256,13 @@ def logits_rule(eqn, vals, atoms, scope) -> Optional[list]:
     if name in ("add", "add_any", "sub") and len(others) == 1:
         if name == "sub" and i != 0:
             return None
+        known = _concrete_in_layout(*others[0], scope, sym)
+        if known is not None:  # a constant bias of 0 and very negative values is a mask
+            known = np.asarray(known, np.float32) * (-1.0 if name == "sub" else 1.0)
+            hidden = known <= _MASKED
+            if (hidden | (known == 0)).all():
+                attn.masks.append((None, np.logical_not(hidden)))
+                return [_like(sym)]
         side = _in_layout(others[0][0], sym)
         if side is None:
             return None

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from jamp import jax_compat
 from jamp.engine import _values as V
 
 #: Operations scanned after a candidate first matmul before giving up on finding its softmax.
@@ -62,10 +63,37 @@ def candidates(jaxpr: jcore.Jaxpr) -> set[int]:
 # Constants read while tracing.
 
 
+#: Operations that act element by element (operands of the result's shape, or scalars): their
+#: constants are computed on the compressed operands (see `Scope`).
+_ELEMENTWISE = frozenset(
+    """abs add and ceil clamp convert_element_type copy copy_p cos div eq exp exp2 floor ge gt
+    integer_pow is_finite le log log1p logistic lt max min mul ne neg nextafter not or pow rem
+    round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin sqrt
+    square sub tan tanh xor""".split()
+)
+_CALLS = ("jit", "pjit", "closed_call")
+
+
+def compressed(x: np.ndarray) -> np.ndarray:
+    """`x` with every axis along which it is constant cut to size 1 (it broadcasts back)."""
+    x = np.asarray(x)
+    for axis in range(x.ndim):
+        if x.shape[axis] > 1:
+            first = x.take([0], axis=axis)
+            if (x == first).all():
+                x = first
+    return x
+
+
 class Scope:
     """A program being evaluated, for reading the value of a variable computed from constants
     alone: its constants, the equation that produced each variable, and (for a sub-program
-    evaluated in place) the outer variables its inputs are."""
+    evaluated in place) the outer variables its inputs are.
+
+    Values are kept compressed (`compressed`: size 1 along the axes they are constant on), and
+    element-wise operations, broadcasts and transposes work on them so: a causal mask broadcast
+    over a batch of 32 sequences of 1024 is a [1, 1, 1024, 1024] array, not 33M elements. Other
+    operations run on the full values, up to `_MAX_CONCRETE` elements."""
 
     def __init__(self, jaxpr, consts, parent: Optional[tuple["Scope", list]] = None):
         self.consts = dict(zip(jaxpr.constvars, consts))
@@ -75,7 +103,8 @@ class Scope:
         self.memo: dict[Any, Optional[np.ndarray]] = {}
 
     def concrete(self, atom) -> Optional[np.ndarray]:
-        """The value of `atom` if it is computed from constants alone, else None."""
+        """The value of `atom` if it is computed from constants alone, else None; compressed (it
+        broadcasts to `atom`'s shape)."""
         if isinstance(atom, jcore.Literal):
             return np.asarray(atom.val)
         if atom in self.memo:
@@ -84,7 +113,7 @@ class Scope:
         value = None
         if atom in self.consts:
             c = self.consts[atom]
-            value = None if isinstance(c, jax.core.Tracer) else np.asarray(c)
+            value = None if isinstance(c, jax.core.Tracer) else compressed(np.asarray(c))
         elif atom in self.inputs and self.parent is not None:
             value = self.parent.concrete(self.inputs[atom])
         elif atom in self.made_by:
@@ -93,21 +122,72 @@ class Scope:
         return value
 
     def _evaluate(self, eqn, atom) -> Optional[np.ndarray]:
-        if eqn.effects or any(np.prod(o.aval.shape) > _MAX_CONCRETE for o in eqn.outvars):
+        name = eqn.primitive.name
+        if eqn.effects or "rng" in name or "random" in name:
             return None
-        if "rng" in eqn.primitive.name or "random" in eqn.primitive.name:
-            return None
+        if name in _CALLS:  # a jitted function of constants: its body, compressed likewise
+            closed = jax_compat.param(eqn, "call_jaxpr" if name == "closed_call" else "jaxpr")
+            inner, consts = (
+                (closed.jaxpr, closed.consts) if hasattr(closed, "jaxpr") else (closed, ())
+            )
+            if V.has_matmul(inner):
+                return None
+            body = Scope(inner, consts, (self, list(eqn.invars)))
+            for o, v in zip(eqn.outvars, inner.outvars):
+                self.memo[o] = body.concrete(v)
+            return self.memo[atom]
         ins = [self.concrete(v) for v in eqn.invars]
         if any(x is None for x in ins):
             return None
         try:
-            with _on_host(), jax.ensure_compile_time_eval():
-                outs = V.bind(eqn, ins, eqn.params)
+            outs = self._compressed(eqn, ins)
+            if outs is None:  # on the full values
+                full = [np.broadcast_to(x, v.aval.shape) for x, v in zip(ins, eqn.invars)]
+                sizes = [x.size for x in full] + [np.prod(o.aval.shape) for o in eqn.outvars]
+                if max(sizes) > _MAX_CONCRETE:
+                    return None
+                outs = [compressed(np.asarray(x)) for x in self._bind(eqn, full)]
         except Exception:  # anything that cannot run eagerly is simply not a constant
             return None
         for o, val in zip(eqn.outvars, outs):
-            self.memo[o] = np.asarray(val)
+            self.memo[o] = val
         return self.memo[atom]
+
+    @staticmethod
+    def _bind(eqn, ins):
+        with _on_host(), jax.ensure_compile_time_eval():
+            return [np.asarray(x) for x in V.bind(eqn, ins, eqn.params)]
+
+    def _compressed(self, eqn, ins) -> Optional[list]:
+        """The results of `eqn` on compressed operands, compressed; None where the operation
+        needs its operands whole."""
+        name = eqn.primitive.name
+        out_shape = tuple(eqn.outvars[0].aval.shape)
+        if name in _ELEMENTWISE and len(eqn.outvars) == 1:
+            if any(np.ndim(x) not in (0, len(out_shape)) for x in ins):
+                return None
+            small = np.broadcast_shapes(*(np.shape(x) for x in ins if np.ndim(x)))
+            ins = [x if np.ndim(x) == 0 else np.broadcast_to(x, small) for x in ins]
+            return [compressed(self._bind(eqn, ins)[0])]
+        if name == "broadcast_in_dim":
+            (x,) = ins[:1]
+            dims = tuple(jax_compat.param(eqn, "broadcast_dimensions"))
+            shape = [1] * len(out_shape)
+            for j, d in enumerate(dims):
+                shape[d] = np.shape(x)[j]
+            return [np.reshape(x, shape)]
+        if name == "transpose":
+            return [np.transpose(ins[0], tuple(jax_compat.param(eqn, "permutation")))]
+        if name in ("reshape", "squeeze", "expand_dims"):  # only size-1 axes come or go
+            x, in_shape = ins[0], tuple(eqn.invars[0].aval.shape)
+            if name == "reshape" and jax_compat.param(eqn, "dimensions") is not None:
+                return None
+            if [n for n in in_shape if n != 1] != [n for n in out_shape if n != 1]:
+                return None
+            kept = [np.shape(x)[i] for i, n in enumerate(in_shape) if n != 1]
+            it = iter(kept)
+            return [np.reshape(x, [next(it) if n != 1 else 1 for n in out_shape])]
+        return None
 
 
 def _on_host():
