@@ -137,13 +137,14 @@ def test_attention_reads_constant_causal_masks_as_causal_and_keeps_data_masks(mo
     assert call["scale"] == 1.0  # Flax scales the queries itself
 
 
-def _hf_causal_bias(q, k, v):
-    """Hugging Face's Flax GPT-2: its causal mask and the all-ones attention mask it makes when
-    given none, combined, broadcast over the batch and made an additive bias of 0 or min."""
+def _hf_causal_bias(q, k, v, attention_mask=None):
+    """Hugging Face's Flax GPT-2: its causal mask and the attention mask it is given (all ones
+    when none is), combined, broadcast over the batch and made an additive bias of 0 or min."""
     causal = nn.make_causal_mask(jnp.ones((1, T), bool), dtype=bool)
     causal = jnp.broadcast_to(causal, (B, 1, T, T))
-    ones = jnp.broadcast_to(jnp.ones((B, T))[:, None, None, :], causal.shape)
-    mask = nn.combine_masks(ones, causal)
+    given = jnp.ones((B, T), jnp.int32) if attention_mask is None else attention_mask
+    given = jnp.broadcast_to(given[:, None, None, :], causal.shape)
+    mask = nn.combine_masks(given, causal)
     bias = jax.lax.select(
         mask > 0, jnp.zeros(mask.shape), jnp.full(mask.shape, jnp.finfo(jnp.float32).min)
     )
@@ -177,6 +178,40 @@ def test_attention_reads_constant_masks_of_any_batch_size_compressed(monkeypatch
             np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2
         )
     assert [(c["causal"], c["mask"], c["bias"]) for c in calls] == [(True, None, None)] * 3
+
+
+def test_attention_is_causal_where_masks_of_data_hide_at_least_the_causal_half(monkeypatch):
+    """A causal mask combined with a mask of data (padding), as one boolean mask (Flax's
+    combine_masks) or as one additive bias (Hugging Face's GPT-2, given its attention mask): the
+    data mask stays, and cuDNN's causal mask type skips the half of the scores it hides."""
+    calls = []
+    original = attention.attend
+
+    def spy(q, k, v, **kw):
+        calls.append(kw)
+        return original(q, k, v, **kw)
+
+    monkeypatch.setattr(attention, "attend", spy)
+
+    def combined(q, k, v, attention_mask):
+        padding = attention_mask[:, None, None, :] > 0
+        mask = nn.combine_masks(nn.make_causal_mask(jnp.ones((B, T))), padding)
+        return nn.dot_product_attention(q, k, v, mask=mask)
+
+    given = (jnp.arange(T)[None, :] < LENGTHS[:, None]).astype(jnp.int32)  # right padding
+    for fn in (combined, _hf_causal_bias):
+        got = _run(fn, BF16)(Q, K, V, given)
+        want = _run(fn, BF16, fuse=False)(Q, K, V, given)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2
+        )
+    (flax, hf) = calls
+    assert flax["causal"] and flax["mask"] is not None and flax["bias"] is None
+    assert hf["causal"] and hf["bias"] is not None and hf["mask"] is None
+    calls.clear()
+    data_only = lambda q, k, v, m: nn.dot_product_attention(q, k, v, mask=m[:, None, None, :] > 0)  # noqa: E731
+    _run(data_only, BF16)(Q, K, V, given)
+    assert not calls[0]["causal"]  # padding alone hides no causal half
 
 
 def _spy_attend(monkeypatch):

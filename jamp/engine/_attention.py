@@ -68,13 +68,23 @@ def _to_bnts(x, roles_order, full_sizes, xp=jnp):
 
 def _masks(attn: Attn, roles_order, full_sizes):
     """(mask array or None, causal): constant masks that are lower-triangular become the causal
-    mask type, constant all-True ones vanish; the rest are combined into one boolean array."""
+    mask type, constant all-True ones vanish; the rest are combined into one boolean array.
+
+    Where the masks and biases hide at least what a causal mask hides, whatever the program's
+    inputs (`Attn.hidden`: Hugging Face's causal mask and the attention mask it is given, made
+    one bias; a causal mask and a padding mask combined), the attention is causal as well: they
+    stay, and the half of the scores that causal hides is not computed. (A query that every key
+    is hidden from, a padding row, then averages the values of keys up to it, not of all keys.)
+    """
     known = [c for _, c in attn.masks if c is not None]
     mask = None
     for m, c in attn.masks:
         if c is None:
             m = _to_bnts(m, roles_order, full_sizes)
             mask = m if mask is None else jnp.logical_and(mask, m)
+    t, s = full_sizes[roles_order[2]], full_sizes[roles_order[3]]
+    lower = np.tril(np.ones((t, s), bool))
+    hidden = [_to_bnts(h, roles_order, full_sizes, np) for h in attn.hidden]
     causal = False
     if known:
         # numpy 2.5's stubs read as Python 3.11 match no overload of reduce for any array
@@ -82,15 +92,18 @@ def _masks(attn: Attn, roles_order, full_sizes):
         # Constants come compressed (size 1 along the axes they are constant on; see
         # `_attention_scope.Scope`), and the mask stays so: [1, 1, T, S] for a batch of them.
         combined = _to_bnts(both, roles_order, full_sizes, np)
-        t, s = full_sizes[roles_order[2]], full_sizes[roles_order[3]]
         if (combined == combined[:1, :1]).all():
             first = np.broadcast_to(combined[0, 0], (t, s))
             if first.all():
                 combined = None
-            elif (first == np.tril(np.ones((t, s), bool))).all():
+            elif (first == lower).all():
                 causal, combined = True, None
         if combined is not None:
+            hidden.append(np.logical_not(combined))
             mask = jnp.asarray(combined) if mask is None else jnp.logical_and(mask, combined)
+    if not causal and hidden:
+        both = np.logical_or.reduce(np.broadcast_arrays(*hidden)) if len(hidden) > 1 else hidden[0]  # type: ignore[call-overload]
+        causal = bool(np.logical_or(both, lower).all())
     return mask, causal
 
 

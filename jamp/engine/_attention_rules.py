@@ -33,6 +33,8 @@ class Attn:
     q_factor: Any = None  # a traced scalar folded into q (a scale that is not a constant)
     bias: Any = None
     masks: list = dataclasses.field(default_factory=list)  # (keep: array, constant or None)
+    # where some mask or bias hides the scores whatever the program's inputs (constant bools)
+    hidden: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(eq=False)
@@ -149,15 +151,34 @@ def _scalar(x, atom, scope) -> Optional[Any]:
     return float(np.reshape(c, ())) if c is not None else jnp.reshape(x, ())
 
 
-def _concrete_in_layout(x, atom, scope, sym: Sym) -> Optional[np.ndarray]:
-    c = _concrete_of(x, atom, scope)
-    if c is None:
-        return None
+def _placed(c: np.ndarray, x, sym: Sym) -> Optional[np.ndarray]:
+    """A constant of side value `x` (compressed: size 1 along the axes it is constant on, which
+    stay so) in the first matmul's output layout."""
     if isinstance(x, Sym):  # the source of a lazy broadcast: placed as `_small` places it
-        # (compressed: size 1 along the axes it is constant on, which stay so)
         c = np.reshape(c, (1,) * np.ndim(x.value)) if np.ndim(c) == 0 else c
         c = c.reshape([c.shape[x.dims.index(i)] if i in x.dims else 1 for i in range(len(x.shape))])
     return _in_layout(c, sym, np)
+
+
+def _concrete_in_layout(x, atom, scope, sym: Sym) -> Optional[np.ndarray]:
+    c = _concrete_of(x, atom, scope)
+    return None if c is None else _placed(c, x, sym)
+
+
+def _surely(x, atom, scope, sym: Sym, where) -> Optional[np.ndarray]:
+    """Where `where(values)` holds of side value `x` whatever the program's inputs are (see
+    `Scope.partial`), in the first matmul's output layout; None where nowhere."""
+    if isinstance(x, Sym) and x.kind == "bcast":
+        part = None if x.scope is None else x.scope.partial(x.atom)
+    elif isinstance(x, (np.ndarray, np.generic, int, float, bool)):
+        part = np.asarray(x), np.ones((1,) * np.ndim(x), bool)
+    else:
+        part = None if scope is None or atom is None else scope.partial(atom)
+    if part is None:
+        return None
+    values, known = part
+    hit = np.logical_and(known, where(values))
+    return _placed(hit, x, sym) if hit.any() else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,7 +240,7 @@ def _scaled(sym: Sym, factor) -> Optional[Sym]:
             return None
         attn.scale *= factor
     else:  # a traced scalar: folded into q, where it scales q . k the same
-        if attn.masks:
+        if attn.masks or attn.hidden:
             return None  # (its sign, which decides whether masked stays masked, is unknown)
         attn.q_factor = factor if attn.q_factor is None else attn.q_factor * factor
     if attn.bias is not None:
@@ -256,9 +277,10 @@ def logits_rule(eqn, vals, atoms, scope) -> Optional[list]:
     if name in ("add", "add_any", "sub") and len(others) == 1:
         if name == "sub" and i != 0:
             return None
+        sign = -1.0 if name == "sub" else 1.0
         known = _concrete_in_layout(*others[0], scope, sym)
         if known is not None:  # a constant bias of 0 and very negative values is a mask
-            known = np.asarray(known, np.float32) * (-1.0 if name == "sub" else 1.0)
+            known = np.asarray(known, np.float32) * sign
             hidden = known <= _MASKED
             if (hidden | (known == 0)).all():
                 attn.masks.append((None, np.logical_not(hidden)))
@@ -266,6 +288,13 @@ def logits_rule(eqn, vals, atoms, scope) -> Optional[list]:
         side = _in_layout(others[0][0], sym)
         if side is None:
             return None
+        # Where the bias hides the scores whatever the inputs (Hugging Face's causal mask made a
+        # bias together with the attention mask it is given): see `_attention._masks`.
+        surely = _surely(
+            *others[0], scope, sym, lambda b: np.asarray(b, np.float32) * sign <= _MASKED
+        )
+        if surely is not None:
+            attn.hidden.append(surely)
         side = side.astype(np.float32)
         side = -side if name == "sub" else side
         attn.bias = side if attn.bias is None else attn.bias + side
@@ -286,9 +315,16 @@ def logits_rule(eqn, vals, atoms, scope) -> Optional[list]:
         if keep is None:
             return None
         known = _concrete_in_layout(pred, pred_atom, scope, sym)
-        if i == 1:  # select_n picks case 0 where the predicate is False: the logits are kept there
+        kept_where = i == 2  # select_n picks case 1 where the predicate is True
+        if i == 1:
             keep = jnp.logical_not(keep)
             known = None if known is None else np.logical_not(known)
+        if known is None:  # a mask of data and constants: where it hides whatever the data
+            surely = _surely(
+                pred, pred_atom, scope, sym, lambda p: np.asarray(p, bool) != kept_where
+            )
+            if surely is not None:
+                attn.hidden.append(surely)
         attn.masks.append((keep, known))
         return [_like(sym)]
     if name == "reduce_max":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Optional
 
 import jax
@@ -72,6 +73,12 @@ _ELEMENTWISE = frozenset(
     square sub tan tanh xor""".split()
 )
 _CALLS = ("jit", "pjit", "closed_call")
+#: Operations that only lay values out anew (see `Scope._compressed`).
+_LAYOUT = frozenset(("broadcast_in_dim", "transpose", "reshape", "squeeze"))
+
+
+def _to(x, shape):
+    return x if np.ndim(x) == 0 else np.broadcast_to(x, shape)
 
 
 def compressed(x: np.ndarray) -> np.ndarray:
@@ -101,6 +108,7 @@ class Scope:
         self.parent = parent[0] if parent else None
         self.made_by = {o: e for e in jaxpr.eqns for o in e.outvars}
         self.memo: dict[Any, Optional[np.ndarray]] = {}
+        self.partial_memo: dict[Any, Optional[tuple[np.ndarray, np.ndarray]]] = {}
 
     def concrete(self, atom) -> Optional[np.ndarray]:
         """The value of `atom` if it is computed from constants alone, else None; compressed (it
@@ -152,6 +160,78 @@ class Scope:
         for o, val in zip(eqn.outvars, outs):
             self.memo[o] = val
         return self.memo[atom]
+
+    def partial(self, atom) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """(values, known): what is known of `atom` whatever the program's inputs are, both
+        compressed; `values` holds where `known` does. None where nothing is known.
+
+        E.g. Hugging Face's attention bias `select(and(ne(attention_mask, 0), causal) > 0, 0,
+        min)`, with the attention mask an input: `min` above the diagonal whatever the mask."""
+        c = self.concrete(atom)
+        if c is not None:
+            return c, np.ones((1,) * np.ndim(c), bool)
+        if atom in self.partial_memo:
+            return self.partial_memo[atom]
+        self.partial_memo[atom] = None
+        value = None
+        if atom in self.inputs and self.parent is not None:
+            value = self.parent.partial(self.inputs[atom])
+        elif atom in self.made_by:
+            try:
+                value = self._partial(self.made_by[atom], atom)
+            except Exception:  # anything that cannot run eagerly is simply not known
+                value = None
+        self.partial_memo[atom] = value
+        return value
+
+    def _partial(self, eqn, atom) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        name = eqn.primitive.name
+        if eqn.effects:
+            return None
+        if name in _CALLS:
+            closed = jax_compat.param(eqn, "call_jaxpr" if name == "closed_call" else "jaxpr")
+            inner, consts = (
+                (closed.jaxpr, closed.consts) if hasattr(closed, "jaxpr") else (closed, ())
+            )
+            if V.has_matmul(inner):
+                return None
+            body = Scope(inner, consts, (self, list(eqn.invars)))
+            for o, v in zip(eqn.outvars, inner.outvars):
+                self.partial_memo[o] = body.partial(v)
+            return self.partial_memo[atom]
+        if len(eqn.outvars) != 1 or name not in _ELEMENTWISE | _LAYOUT:
+            return None
+        parts = []
+        for v in eqn.invars:
+            part = self.partial(v)
+            if part is None:  # unknown: any value
+                ones = (1,) * len(v.aval.shape)
+                part = (np.zeros(ones, v.aval.dtype), np.zeros(ones, bool))
+            parts.append(part)
+        if not any(known.any() for _, known in parts):
+            return None
+        if name in _LAYOUT:
+            laid = [self._compressed(eqn, [parts[0][j]]) for j in (0, 1)]
+            return None if laid[0] is None or laid[1] is None else (laid[0][0], laid[1][0])
+        out_rank = len(eqn.outvars[0].aval.shape)
+        arrays = [a for part in parts for a in part]
+        if any(np.ndim(a) not in (0, out_rank) for a in arrays):
+            return None
+        small = np.broadcast_shapes(*(np.shape(a) for a in arrays if np.ndim(a)))
+        values = [_to(x, small) for x, _ in parts]
+        knowns = [_to(k, small) for _, k in parts]
+        out = self._bind(eqn, values)[0]
+        known = functools.reduce(np.logical_and, knowns)
+        boolean = all(np.dtype(x.dtype) == np.dtype(bool) for x in values)
+        if name in ("and", "or") and boolean and len(values) == 2:  # one operand may decide
+            decides = [np.logical_not(x) if name == "and" else x for x in values]
+            known = known | (knowns[0] & decides[0]) | (knowns[1] & decides[1])
+        if name == "select_n" and len(values) == 3 and np.dtype(values[0].dtype) == bool:
+            pred, case0, case1 = values
+            chosen = knowns[0] & np.where(pred, knowns[2], knowns[1])
+            known = chosen | (knowns[1] & knowns[2] & (case0 == case1))
+        known = compressed(np.broadcast_to(known, np.shape(out)))
+        return (compressed(out), known) if known.any() else None
 
     @staticmethod
     def _bind(eqn, ins):
