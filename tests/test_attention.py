@@ -154,12 +154,12 @@ def _hf_causal_bias(q, k, v, attention_mask=None):
 def test_attention_reads_constant_masks_of_any_batch_size_compressed(monkeypatch):
     """A constant mask is read while tracing on values compressed along the axes they are
     constant on: a causal mask broadcast over a batch larger than what is evaluated whole (here
-    64 elements; GPT-2 small's step at batch 32: 33.5M > 16.8M, which ran cuDNN unmasked at twice
+    T x T elements; GPT-2 small's step at batch 32: 33.5M > 16.8M, which ran cuDNN unmasked at twice
     the FLOPs, with a [32, 1, 1024, 1024] bias) is still cuDNN's causal mask type, and so is a
     constant bias of 0 and the most negative float (Hugging Face's form)."""
     from jamp.engine import _attention_scope
 
-    monkeypatch.setattr(_attention_scope, "_MAX_CONCRETE", 64)
+    monkeypatch.setattr(_attention_scope, "_MAX_CONCRETE", T * T)  # the batch's is B times that
     calls = []
     original = attention.attend
 

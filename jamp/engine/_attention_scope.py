@@ -15,7 +15,8 @@ from jamp.engine import _values as V
 
 #: Operations scanned after a candidate first matmul before giving up on finding its softmax.
 _HORIZON = 48
-#: The largest constant (elements) evaluated while tracing to read a mask or a fill.
+#: The largest constant (elements, compressed: see `Scope`) evaluated while tracing to read a
+#: mask or a fill: a causal mask of up to 4096 x 4096 is read as one.
 _MAX_CONCRETE = 1 << 24
 
 
@@ -157,6 +158,8 @@ class Scope:
                 outs = [compressed(np.asarray(x)) for x in self._bind(eqn, full)]
         except Exception:  # anything that cannot run eagerly is simply not a constant
             return None
+        if any(np.size(val) > _MAX_CONCRETE for val in outs):  # (a causal mask past 4096^2)
+            return None
         for o, val in zip(eqn.outvars, outs):
             self.memo[o] = val
         return self.memo[atom]
@@ -231,7 +234,8 @@ class Scope:
             chosen = knowns[0] & np.where(pred, knowns[2], knowns[1])
             known = chosen | (knowns[1] & knowns[2] & (case0 == case1))
         known = compressed(np.broadcast_to(known, np.shape(out)))
-        return (compressed(out), known) if known.any() else None
+        out = compressed(out)
+        return (out, known) if known.any() and out.size <= _MAX_CONCRETE else None
 
     @staticmethod
     def _bind(eqn, ins):
