@@ -12,8 +12,10 @@ dropout multiplying the weights, a returned score matrix, a softmax over the que
 as traced instead, exactly as if nothing had been recognised, and the reason is recorded.
 
 Masks and fills are read from the program: a mask computed from constants alone (a causal mask
-built from `iota`) is evaluated while tracing, and a lower-triangular one becomes cuDNN's causal
-mask type instead of a [T, S] array.
+built from `iota`) is evaluated while tracing, compressed along the axes it is constant on, and a
+lower-triangular one becomes cuDNN's causal mask type instead of a [B, T, S] array. Of a mask or
+bias computed from data and constants, what holds whatever the data is read likewise; where it
+hides at least the causal half, the attention is causal as well (see `_masks`).
 """
 
 from __future__ import annotations
