@@ -293,3 +293,34 @@ def test_attend_written_out_matches_jax_reference():
     )
     assert how == "xla" and out.dtype == BF16 and out.shape == (B, T, N, H)
     np.testing.assert_allclose(out.astype(F32), want, atol=3e-2)
+
+
+def test_what_is_known_of_a_value_of_data_and_constants_whatever_the_data():
+    """`Scope.partial`: an `and` with a constant False, an `or` with a constant True and a
+    `select` whose known predicate picks a constant are known wherever the data are not; other
+    operations are known where all their operands are; values come compressed."""
+    from jamp.engine._attention_scope import Scope
+
+    upper = ~np.tril(np.ones((4, 4), bool))
+
+    def fn(data):  # data: bool [2, 4]
+        padding = jnp.broadcast_to(data[:, None, :], (2, 4, 4))
+        causal = jnp.broadcast_to(jnp.asarray(~upper), (2, 4, 4))
+        both = jnp.logical_and(padding, causal)
+        either = jnp.logical_or(padding, jnp.asarray(upper))
+        bias = jax.lax.select(both, jnp.zeros((2, 4, 4)), jnp.full((2, 4, 4), -1e30))
+        return both, either, bias, padding.astype(jnp.float32) + 1.0
+
+    closed = jax.make_jaxpr(fn)(jnp.ones((2, 4), bool))
+    scope = Scope(closed.jaxpr, closed.consts)
+    both, either, bias, other = (scope.partial(v) for v in closed.jaxpr.outvars)
+    values, known = both
+    assert known.shape == (1, 4, 4) and (known == upper).all()
+    assert not np.broadcast_to(values, known.shape)[known].any()
+    values, known = either
+    assert (known == upper).all() and np.broadcast_to(values, known.shape)[known].all()
+    values, known = bias
+    assert (known == upper).all()
+    assert (np.broadcast_to(values, known.shape)[known] == np.float32(-1e30)).all()
+    assert other is None  # data everywhere: nothing known
+    assert scope.concrete(closed.jaxpr.outvars[0]) is None
