@@ -225,6 +225,7 @@ def test_compile_for_every_matmul_and_convolution_in_the_compute_dtype(five):
         assert report.attention_traced == ()
     else:
         assert attention.fused and (attention.forward, attention.backward) == (1, 1)
+        assert attention.mask == "causal"  # the LM's causal mask, as cuDNN's mask type
         ((path, how, why),) = report.attention_traced
         assert path.endswith(attention.path) and (how, why) == ("cudnn", "")
 

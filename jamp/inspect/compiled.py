@@ -83,6 +83,9 @@ class Attention:
     fused: bool  # cuDNN's fused kernel (forward and backward) instead of matmuls and softmax
     forward: int  # kernel calls (fused) or batched GEMMs (unfused) in the forward pass
     backward: int
+    # a fused one's mask, as cuDNN runs it: "causal" (half of the scores skipped) or "none"
+    # (every score computed), "+ bias" where an additive bias is read ("" unfused)
+    mask: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,9 +235,10 @@ def _table_lines(r: CompileReport) -> list[str]:
     )
     groups: dict[tuple, list[str]] = {}
     for a in r.attention:
-        groups.setdefault((a.fused, a.forward, a.backward), []).append(a.path)
-    for (is_fused, forward, backward), paths in groups.items():
+        groups.setdefault((a.fused, a.forward, a.backward, a.mask), []).append(a.path)
+    for (is_fused, forward, backward, mask), paths in groups.items():
         how = "cuDNN fused kernel" if is_fused else "batched GEMMs"
+        how += f", mask {mask}" if mask else ""
         shown = ", ".join(sorted(paths, key=_natural)[:3])
         more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
         lines.append(
@@ -277,11 +281,17 @@ def _traced_attention_lines(r: CompileReport) -> list[str]:
 
 def _attention(program: hlo.Program, gemms: list[hlo.Gemm]) -> list[Attention]:
     sites: dict[str, list[int]] = {}  # path -> [fused fwd, fused bwd, gemm fwd, gemm bwd]
+    masks: dict[str, str] = {}
     for inst in program.instructions:
         if inst.op == "custom-call" and inst.target.startswith("__cudnn$fmha"):
             path, _ = op_name_path(inst.op_name)
+            path = path or _scope(inst.op_name)
             backward = "Backward" in inst.target
-            sites.setdefault(path or _scope(inst.op_name), [0, 0, 0, 0])[1 if backward else 0] += 1
+            sites.setdefault(path, [0, 0, 0, 0])[1 if backward else 0] += 1
+            if not backward:
+                config = inst.backend_config().get("cudnn_fmha_backend_config", {})
+                mask = str(config.get("mask_type", "")).lower().replace("no_mask", "none")
+                masks[path] = mask + (" + bias" if "Bias" in inst.target else "")
     softmax = set()  # paths with an exponential: a softmax
     for inst in program.instructions:
         if inst.op == "exponential":
@@ -299,7 +309,7 @@ def _attention(program: hlo.Program, gemms: list[hlo.Gemm]) -> list[Attention]:
     out = []
     for path, (ff, fb, gf, gb) in sorted(sites.items()):
         if ff or fb:
-            out.append(Attention(path, True, ff, fb))
+            out.append(Attention(path, True, ff, fb, masks.get(path, "")))
         elif gf >= 2:
             out.append(Attention(path, False, gf, gb))
     return out
