@@ -127,7 +127,8 @@ def _jax_row(row, variant, args) -> dict:
     compiled = built.step.lower(*state).compile()
     compile_s = time.perf_counter() - started
     text = compiled.as_text()
-    estimate = timing.estimate(hlo.parse(text), _gpu()) if on_gpu or args.quick else None
+    program = hlo.parse(text)
+    estimate = timing.estimate(program, _gpu()) if on_gpu or args.quick else None
     losses = []
 
     def run(wait):
@@ -158,12 +159,28 @@ def _jax_row(row, variant, args) -> dict:
         "compile_s": compile_s,
         "loss_first_last": [losses[0], losses[-1]],
         "params": built.params,
+        "attention": _attention_masks(program),
     }
     if estimate is not None:
         out.update(predicted_ms=estimate.seconds * 1e3, kernels=estimate.kernels)
     if row == PROFILED and args.profile:
         out["profile"] = _profile(compiled, run, text, estimate, args)
     return out
+
+
+def _attention_masks(program) -> str:
+    """cuDNN's fused attention calls of a program by mask, as cuDNN runs them: "12 causal" (half
+    the scores skipped), "12 none + bias" (every score computed, an additive bias read); "-"
+    without any (attention written out, or none)."""
+    masks: dict[str, int] = {}
+    for inst in program.instructions:
+        if inst.op == "custom-call" and inst.target.startswith("__cudnn$fmha"):
+            if "Backward" not in inst.target:
+                config = inst.backend_config().get("cudnn_fmha_backend_config", {})
+                mask = str(config.get("mask_type", "?")).lower().replace("no_mask", "none")
+                mask += " + bias" if "Bias" in inst.target else ""
+                masks[mask] = masks.get(mask, 0) + 1
+    return ", ".join(f"{n} {mask}" for mask, n in sorted(masks.items())) or "-"
 
 
 def _profile(compiled, run, text, estimate, args) -> dict:
@@ -266,12 +283,12 @@ def _table(rows: list[dict], quick: bool) -> str:
     lines = [
         "| row | batch | step ms | tokens/s | vs fp32 | vs torch.compile | MFU | peak GiB "
         "| XLA plan GiB "
-        "| predicted ms (error) | kernels | compile s | loss first -> last |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| predicted ms (error) | kernels | cuDNN attention | compile s | loss first -> last |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "step_ms" not in r:
-            lines.append(f"| {r['label']} | {r.get('skipped', 'no result')} |" + " |" * 11)
+            lines.append(f"| {r['label']} | {r.get('skipped', 'no result')} |" + " |" * 12)
             continue
         ms = r["step_ms"]
         pred = r.get("predicted_ms")
@@ -282,7 +299,7 @@ def _table(rows: list[dict], quick: bool) -> str:
             f"| {_per_token(r, base)} | {_per_token(r, peer)} | {r['mfu']:.1%} | "
             + (f"{r['peak_gib']:.2f}" if r.get("peak_gib") else "-")
             + f" | {r.get('plan_peak_gib', 0) or 0:.2f} | {err} | {r.get('kernels', '-')} "
-            f"| {r['compile_s']:.1f} | {r['loss_first_last'][0]:.3f} -> "
+            f"| {r.get('attention', '-')} | {r['compile_s']:.1f} | {r['loss_first_last'][0]:.3f} -> "
             f"{r['loss_first_last'][1]:.3f} |"
         )
     shape = (

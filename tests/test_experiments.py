@@ -153,6 +153,7 @@ def test_gpu_suite_dry_run_writes_each_row_and_the_kernel_table(tmp_path):
     for r in rows:
         assert r["step_ms"] > 0 and r["kernels"] > 0 and r["predicted_ms"] > 0
         assert r["loss_first_last"][1] < r["loss_first_last"][0]
+        assert r["attention"] == "-"  # on a CPU attention is written out: no cuDNN calls
     table = (tmp_path / "gpu_suite.md").read_text()
     assert "jamp.wrap mixed_bfloat16 + make_train_step" in table and "not a measurement" in table
     kernels = (tmp_path / "gpu_suite_kernels.md").read_text()

@@ -201,6 +201,10 @@ def test_compile_report_estimate_counts_gemm_and_attention_flops():
     assert len(attention) == 2 * shape["layers"]
     assert sum(k.flops for k in attention) == shape["layers"] * (2 + 5) * one // 2
     assert {k.dtype for k in attention} == {"bf16"}
+    import gpu_suite  # (on the path _experiments set)
+
+    # the suite's attention column: cuDNN's mask type, causal (half the scores computed)
+    assert gpu_suite._attention_masks(hlo.parse(report.hlo_text)) == f"{shape['layers']} causal"
     table = report.table()
     assert "predicted step time on one NVIDIA H200" in table and "not a measurement" in table
     assert report.to_dict()["estimate"]["kernels"] == est.kernels

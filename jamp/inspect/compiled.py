@@ -238,12 +238,12 @@ def _table_lines(r: CompileReport) -> list[str]:
         groups.setdefault((a.fused, a.forward, a.backward, a.mask), []).append(a.path)
     for (is_fused, forward, backward, mask), paths in groups.items():
         how = "cuDNN fused kernel" if is_fused else "batched GEMMs"
-        how += f", mask {mask}" if mask else ""
+        masked = f"; mask {mask}" if mask else ""
         shown = ", ".join(sorted(paths, key=_natural)[:3])
         more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
         lines.append(
             f"  {len(paths)} x {'fused' if is_fused else 'unfused'} ({forward} forward / "
-            f"{backward} backward {how} each): {shown}{more}"
+            f"{backward} backward {how} each{masked}): {shown}{more}"
         )
     lines.extend(_traced_attention_lines(r))
     lines.append("collectives per step (result bytes per device):")
