@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from typing import Any, Optional
 
 import jax
@@ -134,16 +135,10 @@ class Scope:
         name = eqn.primitive.name
         if eqn.effects or "rng" in name or "random" in name:
             return None
-        if name in _CALLS:  # a jitted function of constants: its body, compressed likewise
-            closed = jax_compat.param(eqn, "call_jaxpr" if name == "closed_call" else "jaxpr")
-            inner, consts = (
-                (closed.jaxpr, closed.consts) if hasattr(closed, "jaxpr") else (closed, ())
-            )
-            if V.has_matmul(inner):
-                return None
-            body = Scope(inner, consts, (self, list(eqn.invars)))
-            for o, v in zip(eqn.outvars, inner.outvars):
-                self.memo[o] = body.concrete(v)
+        body = self._body(eqn)
+        if body is not None:  # a jitted function of constants: its body, compressed likewise
+            for o, v in zip(eqn.outvars, body.outvars):
+                self.memo[o] = body.scope.concrete(v)
             return self.memo[atom]
         ins = [self.concrete(v) for v in eqn.invars]
         if any(x is None for x in ins):
@@ -191,16 +186,10 @@ class Scope:
         name = eqn.primitive.name
         if eqn.effects:
             return None
-        if name in _CALLS:
-            closed = jax_compat.param(eqn, "call_jaxpr" if name == "closed_call" else "jaxpr")
-            inner, consts = (
-                (closed.jaxpr, closed.consts) if hasattr(closed, "jaxpr") else (closed, ())
-            )
-            if V.has_matmul(inner):
-                return None
-            body = Scope(inner, consts, (self, list(eqn.invars)))
-            for o, v in zip(eqn.outvars, inner.outvars):
-                self.partial_memo[o] = body.partial(v)
+        body = self._body(eqn)
+        if body is not None:
+            for o, v in zip(eqn.outvars, body.outvars):
+                self.partial_memo[o] = body.scope.partial(v)
             return self.partial_memo[atom]
         if len(eqn.outvars) != 1 or name not in _ELEMENTWISE | _LAYOUT:
             return None
@@ -236,6 +225,19 @@ class Scope:
         known = compressed(np.broadcast_to(known, np.shape(out)))
         out = compressed(out)
         return (out, known) if known.any() and out.size <= _MAX_CONCRETE else None
+
+    def _body(self, eqn) -> Optional[Any]:
+        """A jitted call's body (`.scope`, its `.outvars`) to read in place, or None (another
+        operation, or a body with matmuls: those run whole, on full values)."""
+        name = eqn.primitive.name
+        if name not in _CALLS:
+            return None
+        closed = jax_compat.param(eqn, "call_jaxpr" if name == "closed_call" else "jaxpr")
+        inner, consts = (closed.jaxpr, closed.consts) if hasattr(closed, "jaxpr") else (closed, ())
+        if V.has_matmul(inner):
+            return None
+        scope = Scope(inner, consts, (self, list(eqn.invars)))
+        return types.SimpleNamespace(scope=scope, outvars=inner.outvars)
 
     @staticmethod
     def _bind(eqn, ins):
