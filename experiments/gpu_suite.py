@@ -172,14 +172,13 @@ def _attention_masks(program) -> str:
     """cuDNN's fused attention calls of a program by mask, as cuDNN runs them: "12 causal" (half
     the scores skipped), "12 none + bias" (every score computed, an additive bias read); "-"
     without any (attention written out, or none)."""
+    from jamp.hlo.kernels import attention_mask
+
     masks: dict[str, int] = {}
     for inst in program.instructions:
-        if inst.op == "custom-call" and inst.target.startswith("__cudnn$fmha"):
-            if "Backward" not in inst.target:
-                config = inst.backend_config().get("cudnn_fmha_backend_config", {})
-                mask = str(config.get("mask_type", "?")).lower().replace("no_mask", "none")
-                mask += " + bias" if "Bias" in inst.target else ""
-                masks[mask] = masks.get(mask, 0) + 1
+        mask = attention_mask(inst)
+        if mask is not None:
+            masks[mask] = masks.get(mask, 0) + 1
     return ", ".join(f"{n} {mask}" for mask, n in sorted(masks.items())) or "-"
 
 

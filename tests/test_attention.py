@@ -107,7 +107,8 @@ def test_attention_forms_fuse_and_match_the_form_as_traced(form, compute):
         assert err < 2e-2, (form, err)
 
 
-def test_attention_reads_constant_causal_masks_as_causal_and_keeps_data_masks(monkeypatch):
+def _spy_attend_options(monkeypatch):
+    """The keyword arguments (bias, mask, scale, causal, ...) of every `attention.attend` call."""
     calls = []
     original = attention.attend
 
@@ -116,6 +117,11 @@ def test_attention_reads_constant_causal_masks_as_causal_and_keeps_data_masks(mo
         return original(q, k, v, **kw)
 
     monkeypatch.setattr(attention, "attend", spy)
+    return calls
+
+
+def test_attention_reads_constant_causal_masks_as_causal_and_keeps_data_masks(monkeypatch):
+    calls = _spy_attend_options(monkeypatch)
     _run(FORMS["linen causal mask"], BF16)(Q, K, V)
     _run(FORMS["hand-written"], BF16)(Q, K, V)
     assert [(c["causal"], c["mask"], c["bias"]) for c in calls] == [(True, None, None)] * 2
@@ -160,14 +166,7 @@ def test_attention_reads_constant_masks_of_any_batch_size_compressed(monkeypatch
     from jamp.engine import _attention_scope
 
     monkeypatch.setattr(_attention_scope, "_MAX_CONCRETE", T * T)  # the batch's is B times that
-    calls = []
-    original = attention.attend
-
-    def spy(q, k, v, **kw):
-        calls.append(kw)
-        return original(q, k, v, **kw)
-
-    monkeypatch.setattr(attention, "attend", spy)
+    calls = _spy_attend_options(monkeypatch)
     batch_causal = lambda q, k, v: nn.dot_product_attention(  # noqa: E731
         q, k, v, mask=nn.make_causal_mask(jnp.ones((B, T)))
     )
@@ -184,14 +183,7 @@ def test_attention_is_causal_where_masks_of_data_hide_at_least_the_causal_half(m
     """A causal mask combined with a mask of data (padding), as one boolean mask (Flax's
     combine_masks) or as one additive bias (Hugging Face's GPT-2, given its attention mask): the
     data mask stays, and cuDNN's causal mask type skips the half of the scores it hides."""
-    calls = []
-    original = attention.attend
-
-    def spy(q, k, v, **kw):
-        calls.append(kw)
-        return original(q, k, v, **kw)
-
-    monkeypatch.setattr(attention, "attend", spy)
+    calls = _spy_attend_options(monkeypatch)
 
     def combined(q, k, v, attention_mask):
         padding = attention_mask[:, None, None, :] > 0

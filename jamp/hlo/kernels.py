@@ -121,6 +121,19 @@ def _attention_flops(program: Program, inst: Instruction) -> int:
     return int(one * gemms * causal)
 
 
+def attention_mask(inst: Instruction) -> Optional[str]:
+    """A cuDNN fused attention call's mask as cuDNN runs it: "causal" (half of the scores
+    skipped), "none" (every score computed), with " + bias" where it reads an additive bias;
+    None for any other instruction (a backward call included: it runs its forward's mask)."""
+    if inst.op != "custom-call" or not inst.target.startswith("__cudnn$fmha"):
+        return None
+    if "Backward" in inst.target:
+        return None
+    config = inst.backend_config().get("cudnn_fmha_backend_config", {})
+    mask = str(config.get("mask_type", "?")).lower().replace("no_mask", "none")
+    return mask + (" + bias" if "Bias" in inst.target else "")
+
+
 def _body(program: Program, inst: Instruction) -> list[Instruction]:
     return [i for name in inst.calls for i in program.computations.get(name, ())]
 
@@ -347,4 +360,12 @@ def _through_views(program: Program, name: str) -> str:
     return name
 
 
-__all__ = ["COLLECTIVE_OPS", "KINDS", "Kernel", "ends_in_reduction", "kernels", "shared_results"]
+__all__ = [
+    "COLLECTIVE_OPS",
+    "KINDS",
+    "Kernel",
+    "attention_mask",
+    "ends_in_reduction",
+    "kernels",
+    "shared_results",
+]

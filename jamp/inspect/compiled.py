@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from jamp import hlo, losses
 from jamp.hlo import buffers
+from jamp.hlo.kernels import attention_mask
 from jamp.inspect import timing
 from jamp.inspect._paths import op_name_path
 
@@ -288,10 +289,9 @@ def _attention(program: hlo.Program, gemms: list[hlo.Gemm]) -> list[Attention]:
             path = path or _scope(inst.op_name)
             backward = "Backward" in inst.target
             sites.setdefault(path, [0, 0, 0, 0])[1 if backward else 0] += 1
-            if not backward:
-                config = inst.backend_config().get("cudnn_fmha_backend_config", {})
-                mask = str(config.get("mask_type", "")).lower().replace("no_mask", "none")
-                masks[path] = mask + (" + bias" if "Bias" in inst.target else "")
+            mask = attention_mask(inst)
+            if mask is not None:
+                masks[path] = mask
     softmax = set()  # paths with an exponential: a softmax
     for inst in program.instructions:
         if inst.op == "exponential":
