@@ -179,6 +179,65 @@ def test_attention_reads_constant_masks_of_any_batch_size_compressed(monkeypatch
     assert [(c["causal"], c["mask"], c["bias"]) for c in calls] == [(True, None, None)] * 3
 
 
+def test_long_sequence_masks_are_read_by_their_form_not_evaluated(monkeypatch):
+    """Past what is evaluated whole, a mask built from `iota` is read by its form (see
+    `jamp.engine._attention_forms`): causal at 65,536 positions, traced in well under a second
+    (evaluated, it exhausted a 24 GiB host there; past 4096 x 4096 it was a mask array, every
+    score computed). A form that is no mask type (a cache's offset, a strict inequality) stays
+    the mask the program computes, with the same outputs."""
+    from jamp.engine import _attention_scope
+
+    long = 65536
+    calls = _spy_attend_options(monkeypatch)
+    pos = lambda: jnp.arange(long)  # noqa: E731
+
+    def hand(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        s = jnp.where(pos()[:, None] >= pos()[None, :], s, jnp.finfo(s.dtype).min)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    def hf(q, k, v, attention_mask):
+        causal = nn.make_causal_mask(jnp.ones((1, long), bool), dtype=bool)
+        given = jnp.broadcast_to(attention_mask[:, None, None, :], (1, 1, long, long))
+        mask = nn.combine_masks(given, jnp.broadcast_to(causal, (1, 1, long, long)))
+        fill = jnp.full(mask.shape, jnp.finfo(jnp.float32).min)
+        return nn.dot_product_attention(q, k, v, bias=jax.lax.select(mask > 0, 0 * fill, fill))
+
+    def linen(q, k, v):
+        return nn.dot_product_attention(q, k, v, mask=nn.make_causal_mask(jnp.ones((1, long))))
+
+    x = jax.ShapeDtypeStruct((1, long, 2, 8), jnp.float32)
+    data = jax.ShapeDtypeStruct((1, long), jnp.int32)
+    for fn, args in ((hand, (x, x, x)), (linen, (x, x, x)), (hf, (x, x, x, data))):
+        jax.make_jaxpr(_run(fn, BF16))(*args)
+    assert [(c["causal"], c["mask"]) for c in calls] == [(True, None)] * 3
+    assert calls[0]["bias"] is None and calls[1]["bias"] is None
+    assert calls[2]["bias"].shape == (1, 1, long, long)  # the data's, as the program computes it
+    calls.clear()
+
+    monkeypatch.setattr(_attention_scope, "_MAX_CONCRETE", 4)  # these masks known by form only
+    masks = {
+        "causal": lambda t, s: jnp.arange(t)[:, None] >= jnp.arange(s)[None, :],
+        "a cache's offset": lambda t, s: jnp.arange(t)[:, None] + (s - t) >= jnp.arange(s)[None, :],
+        "strictly below": lambda t, s: jnp.arange(t)[:, None] > jnp.arange(s)[None, :],
+    }
+    for name, make in masks.items():
+        fn = lambda q, k, v, make=make: nn.dot_product_attention(  # noqa: E731
+            q, k, v, mask=make(q.shape[1], k.shape[1])[None, None]
+        )
+        keys = jnp.concatenate([K, K[:, :4]], axis=1)  # more keys than queries
+        got = _run(fn, BF16)(Q, keys, keys)
+        want = _run(fn, BF16, fuse=False)(Q, keys, keys)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, err_msg=name
+        )
+    assert [(c["causal"], c["mask"] is None) for c in calls] == [
+        (True, True),
+        (False, False),
+        (False, False),
+    ]
+
+
 def test_attention_is_causal_where_masks_of_data_hide_at_least_the_causal_half(monkeypatch):
     """A causal mask combined with a mask of data (padding), as one boolean mask (Flax's
     combine_masks) or as one additive bias (Hugging Face's GPT-2, given its attention mask): the

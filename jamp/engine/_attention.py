@@ -15,7 +15,9 @@ Masks and fills are read from the program: a mask computed from constants alone 
 built from `iota`) is evaluated while tracing, compressed along the axes it is constant on, and a
 lower-triangular one becomes cuDNN's causal mask type instead of a [B, T, S] array. Of a mask or
 bias computed from data and constants, what holds whatever the data is read likewise; where it
-hides at least the causal half, the attention is causal as well (see `_masks`).
+hides at least the causal half, the attention is causal as well (see `_masks`). Past what is
+evaluated whole (a long sequence's mask), a mask built from `iota` comparisons is read by its
+form instead (`_attention_forms`), at any length.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jamp import attention, jax_compat, traced_for
+from jamp.engine import _attention_forms as F
+from jamp.engine import _attention_scope
 from jamp.engine import _values as V
 from jamp.engine._attention_rules import (
     Attn,
@@ -77,17 +81,40 @@ def _masks(attn: Attn, roles_order, full_sizes):
     one bias; a causal mask and a padding mask combined), the attention is causal as well: they
     stay, and the half of the scores that causal hides is not computed. (A query that every key
     is hidden from, a padding row, then averages the values of keys up to it, not of all keys.)
+
+    Masks of long sequences known by their form (`_attention_forms.Split`) are read so, never
+    as T x S arrays; one that is neither causal nor all True stays as the program computes it.
     """
-    known = [c for _, c in attn.masks if c is not None]
-    mask = None
-    for m, c in attn.masks:
-        if c is None:
-            m = _to_bnts(m, roles_order, full_sizes)
-            mask = m if mask is None else jnp.logical_and(mask, m)
-    t, s = full_sizes[roles_order[2]], full_sizes[roles_order[3]]
-    lower = np.tril(np.ones((t, s), bool))
-    hidden = [_to_bnts(h, roles_order, full_sizes, np) for h in attn.hidden]
+    t_axis, s_axis = roles_order[2], roles_order[3]
     causal = False
+    known, data = [], []
+    for m, c in attn.masks:
+        if isinstance(c, F.Split):
+            values = [bool(c.yes), bool(c.no)]
+            if all(values):
+                continue
+            side = F.causal(c.pred, t_axis, s_axis)
+            if side is not None and values == [side, not side]:
+                causal = True
+                continue
+            c = None  # a region no mask type is: the mask as the program computes it
+        if c is None:
+            data.append(_to_bnts(m, roles_order, full_sizes))
+        else:
+            known.append(c)
+    mask = None
+    for m in data:
+        mask = m if mask is None else jnp.logical_and(mask, m)
+    t, s = full_sizes[t_axis], full_sizes[s_axis]
+    hidden = []
+    for h in attn.hidden:
+        if isinstance(h, F.Split):
+            side = F.causal(h.pred, t_axis, s_axis)  # hides where not causal: covers that half
+            causal |= (bool(h.yes) and bool(h.no)) or (
+                side is not None and bool(h.no if side else h.yes)
+            )
+        else:
+            hidden.append(_to_bnts(h, roles_order, full_sizes, np))
     if known:
         # numpy 2.5's stubs read as Python 3.11 match no overload of reduce for any array
         both = np.logical_and.reduce(np.broadcast_arrays(*known)) if len(known) > 1 else known[0]  # type: ignore[call-overload]
@@ -95,18 +122,34 @@ def _masks(attn: Attn, roles_order, full_sizes):
         # `_attention_scope.Scope`), and the mask stays so: [1, 1, T, S] for a batch of them.
         combined = _to_bnts(both, roles_order, full_sizes, np)
         if (combined == combined[:1, :1]).all():
-            first = np.broadcast_to(combined[0, 0], (t, s))
+            first = combined[0, 0]
             if first.all():
                 combined = None
-            elif (first == lower).all():
+            elif not causal and _lower_triangular(first, t, s):
                 causal, combined = True, None
         if combined is not None:
             hidden.append(np.logical_not(combined))
             mask = jnp.asarray(combined) if mask is None else jnp.logical_and(mask, combined)
     if not causal and hidden:
         both = np.logical_or.reduce(np.broadcast_arrays(*hidden)) if len(hidden) > 1 else hidden[0]  # type: ignore[call-overload]
-        causal = bool(np.logical_or(both, lower).all())
+        causal = _covers_upper(both, t, s)
     return mask, causal
+
+
+def _lower_triangular(x: np.ndarray, t: int, s: int) -> bool:
+    """Whether compressed bools `x` ([T | 1, S | 1]) are the causal mask `i >= j`."""
+    if x.shape != (t, s):  # constant along queries or keys (and not all True): not causal
+        return False
+    return bool((x == np.tri(t, s, dtype=bool)).all())
+
+
+def _covers_upper(hidden: np.ndarray, t: int, s: int) -> bool:
+    """Whether compressed bools `hidden` ([B | 1, N | 1, T | 1, S | 1]) hold wherever `j > i`."""
+    if hidden.all():
+        return True
+    if hidden.shape[-2:] != (t, s) and t * s > _attention_scope._MAX_CONCRETE:
+        return False  # (a long sequence's, constant along queries or keys: read as not)
+    return bool(np.logical_or(hidden, np.tri(t, s, dtype=bool)).all())
 
 
 def repeat_of(eqn, made_by: dict) -> Optional[tuple]:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp import jax_compat
+from jamp.engine import _attention_forms as F
 from jamp.engine._attention_scope import Scope
 
 #: A fill at or below this is a mask (its exponential is 0 in float32 beside any real logit).
@@ -32,8 +33,10 @@ class Attn:
     scale: float = 1.0
     q_factor: Any = None  # a traced scalar folded into q (a scale that is not a constant)
     bias: Any = None
-    masks: list = dataclasses.field(default_factory=list)  # (keep: array, constant or None)
-    # where some mask or bias hides the scores whatever the program's inputs (constant bools)
+    # (keep: array, or None where known; known: a constant (bools), a `Split` of bools, or None)
+    masks: list = dataclasses.field(default_factory=list)
+    # where some mask or bias hides the scores whatever the program's inputs (constant bools,
+    # or a `Split` of bools: a long sequence's)
     hidden: list = dataclasses.field(default_factory=list)
 
 
@@ -165,9 +168,49 @@ def _concrete_in_layout(x, atom, scope, sym: Sym) -> Optional[np.ndarray]:
     return None if c is None else _placed(c, x, sym)
 
 
-def _surely(x, atom, scope, sym: Sym, where) -> Optional[np.ndarray]:
+def _form_of(x, atom, scope: Optional[Scope]) -> Any:
+    """The form of side value `x` (`Scope.symbolic`) where it is a `Split`, else None."""
+    if isinstance(x, Sym) and x.kind == "bcast":
+        form = None if x.scope is None else x.scope.symbolic(x.atom)
+    elif scope is None or atom is None or isinstance(x, (np.ndarray, np.generic, int, float)):
+        form = None
+    else:
+        form = scope.symbolic(atom)
+    return form if isinstance(form, F.Split) else None
+
+
+def _form_placed(form: F.Split, x, sym: Sym) -> Optional[F.Split]:
+    """A `Split` of side value `x` with its predicate over the first matmul's output axes (as
+    `_placed` places arrays): a merged axis is the index expression of the axes it merges."""
+    assert sym.attn is not None  # an attention's value, not a broadcast side value
+    coef = list(form.pred.coef)
+    if isinstance(x, Sym):  # the source of a lazy broadcast
+        coef = [coef[x.dims.index(i)] if i in x.dims else 0 for i in range(len(x.shape))]
+    full = sym.attn.first.outvars[0].aval.shape
+    if len(coef) != len(sym.perm):
+        return None
+    out = [0] * len(full)
+    for c, group in zip(coef, sym.perm):
+        stride = 1
+        for a in reversed(group):
+            out[a] += c * stride
+            stride *= full[a]
+    pred = F.half_plane(F.Affine(tuple(out), form.pred.offset).canon(full), False)
+    if pred is None:
+        return None  # (constant in this layout: a value a constant mask reads as well)
+    return F.Split(pred, form.yes, form.no)
+
+
+def _known_form(x, atom, scope, sym: Sym) -> Optional[F.Split]:
+    """A side value known everywhere by its form (a long sequence's constant mask), placed."""
+    form = _form_of(x, atom, scope)
+    return None if form is None or not form.known() else _form_placed(form, x, sym)
+
+
+def _surely(x, atom, scope, sym: Sym, where) -> Any:
     """Where `where(values)` holds of side value `x` whatever the program's inputs are (see
-    `Scope.partial`), in the first matmul's output layout; None where nowhere."""
+    `Scope.partial`), in the first matmul's output layout (bools, or a `Split` of them where
+    only its form is known); None where nowhere."""
     if isinstance(x, Sym) and x.kind == "bcast":
         part = None if x.scope is None else x.scope.partial(x.atom)
     elif isinstance(x, (np.ndarray, np.generic, int, float, bool)):
@@ -175,7 +218,11 @@ def _surely(x, atom, scope, sym: Sym, where) -> Optional[np.ndarray]:
     else:
         part = None if scope is None or atom is None else scope.partial(atom)
     if part is None:
-        return None
+        form = _form_of(x, atom, scope)
+        if form is None:
+            return None
+        hits = [v is not F.UNKNOWN and bool(where(v)) for v in (form.yes, form.no)]
+        return None if not any(hits) else _form_placed(F.Split(form.pred, *hits), x, sym)
     values, known = part
     hit = np.logical_and(known, where(values))
     return _placed(hit, x, sym) if hit.any() else None
@@ -253,7 +300,9 @@ def logits_rule(eqn, vals, atoms, scope) -> Optional[list]:
     name = eqn.primitive.name
     i = next(j for j, x in enumerate(vals) if isinstance(x, Sym) and x.kind == "logits")
     orig = vals[i]
-    attn = dataclasses.replace(orig.attn, masks=list(orig.attn.masks))  # values may branch
+    attn = dataclasses.replace(  # values may branch
+        orig.attn, masks=list(orig.attn.masks), hidden=list(orig.attn.hidden)
+    )
     sym = _like(orig, attn=attn)
     others = [(x, a) for j, (x, a) in enumerate(zip(vals, atoms)) if j != i]
     if name == "sub" and i == 0 and isinstance(vals[1], Sym) and vals[1].kind == "max":
@@ -285,6 +334,16 @@ def logits_rule(eqn, vals, atoms, scope) -> Optional[list]:
             if (hidden | (known == 0)).all():
                 attn.masks.append((None, np.logical_not(hidden)))
                 return [_like(sym)]
+        form = None if known is not None else _known_form(*others[0], scope, sym)
+        if form is not None:  # the same, known by its form (a long sequence's)
+            hides = [float(v) * sign <= _MASKED for v in (form.yes, form.no)]
+            if all(h or float(v) == 0 for h, v in zip(hides, (form.yes, form.no))):
+                side = _in_layout(others[0][0], sym)
+                if side is None:
+                    return None
+                keep = side.astype(np.float32) * sign > _MASKED  # (used if the form is not read)
+                attn.masks.append((keep, F.Split(form.pred, not hides[0], not hides[1])))
+                return [_like(sym)]
         side = _in_layout(others[0][0], sym)
         if side is None:
             return None
@@ -314,18 +373,23 @@ def logits_rule(eqn, vals, atoms, scope) -> Optional[list]:
         keep = _in_layout(pred, sym)
         if keep is None:
             return None
-        known = _concrete_in_layout(pred, pred_atom, scope, sym)
+        constant: Any = _concrete_in_layout(pred, pred_atom, scope, sym)
+        if constant is None:  # a long sequence's, known by its form
+            constant = _known_form(pred, pred_atom, scope, sym)
         kept_where = i == 2  # select_n picks case 1 where the predicate is True
         if i == 1:
             keep = jnp.logical_not(keep)
-            known = None if known is None else np.logical_not(known)
-        if known is None:  # a mask of data and constants: where it hides whatever the data
+            if isinstance(constant, F.Split):
+                constant = F.Split(constant.pred, not constant.yes, not constant.no)
+            elif constant is not None:
+                constant = np.logical_not(constant)
+        if constant is None:  # a mask of data and constants: where it hides whatever the data
             surely = _surely(
                 pred, pred_atom, scope, sym, lambda p: np.asarray(p, bool) != kept_where
             )
             if surely is not None:
                 attn.hidden.append(surely)
-        attn.masks.append((keep, known))
+        attn.masks.append((keep, constant))
         return [_like(sym)]
     if name == "reduce_max":
         (axis,) = (

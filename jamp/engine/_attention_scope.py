@@ -12,12 +12,14 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jamp import jax_compat
+from jamp.engine import _attention_forms as F
 from jamp.engine import _values as V
 
 #: Operations scanned after a candidate first matmul before giving up on finding its softmax.
 _HORIZON = 48
 #: The largest constant (elements, compressed: see `Scope`) evaluated while tracing to read a
-#: mask or a fill: a causal mask of up to 4096 x 4096 is read as one.
+#: mask or a fill: a causal mask of up to 4096 x 4096 is evaluated; longer ones are read by
+#: their form (`Scope.symbolic`).
 _MAX_CONCRETE = 1 << 24
 
 
@@ -102,7 +104,9 @@ class Scope:
     Values are kept compressed (`compressed`: size 1 along the axes they are constant on), and
     element-wise operations, broadcasts and transposes work on them so: a causal mask broadcast
     over a batch of 32 sequences of 1024 is a [1, 1, 1024, 1024] array, not 33M elements. Other
-    operations run on the full values, up to `_MAX_CONCRETE` elements."""
+    operations run on the full values; nothing larger than `_MAX_CONCRETE` elements is computed.
+    Past that, `symbolic` reads a value by its form (`_attention_forms`: a causal mask over
+    65,536 positions is the predicate `i_q - i_k >= 0`, not 4.3G elements)."""
 
     def __init__(self, jaxpr, consts, parent: Optional[tuple["Scope", list]] = None):
         self.consts = dict(zip(jaxpr.constvars, consts))
@@ -111,6 +115,7 @@ class Scope:
         self.made_by = {o: e for e in jaxpr.eqns for o in e.outvars}
         self.memo: dict[Any, Optional[np.ndarray]] = {}
         self.partial_memo: dict[Any, Optional[tuple[np.ndarray, np.ndarray]]] = {}
+        self.form_memo: dict[Any, Any] = {}
 
     def concrete(self, atom) -> Optional[np.ndarray]:
         """The value of `atom` if it is computed from constants alone, else None; compressed (it
@@ -210,6 +215,8 @@ class Scope:
         if any(np.ndim(a) not in (0, out_rank) for a in arrays):
             return None
         small = np.broadcast_shapes(*(np.shape(a) for a in arrays if np.ndim(a)))
+        if np.prod(small) > _MAX_CONCRETE:
+            return None  # (a long sequence's mask: see `symbolic`)
         values = [_to(x, small) for x, _ in parts]
         knowns = [_to(k, small) for _, k in parts]
         out = self._bind(eqn, values)[0]
@@ -225,6 +232,101 @@ class Scope:
         known = compressed(np.broadcast_to(known, np.shape(out)))
         out = compressed(out)
         return (out, known) if known.any() and out.size <= _MAX_CONCRETE else None
+
+    def symbolic(self, atom) -> Any:
+        """The form of `atom` (`jamp.engine._attention_forms`): a 0-d array, `UNKNOWN`, an
+        index expression (`Affine`) or a `Split` of an index predicate, at any size."""
+        if isinstance(atom, jcore.Literal):
+            return np.asarray(atom.val).reshape(())
+        if atom in self.form_memo:
+            return self.form_memo[atom]
+        self.form_memo[atom] = F.UNKNOWN
+        c = self.concrete(atom)
+        if c is not None:
+            value = F.from_array(c, atom.aval.shape)
+        elif atom in self.inputs and self.parent is not None:
+            value = self.parent.symbolic(self.inputs[atom])
+        elif atom in self.made_by:
+            try:
+                value = self._symbolic(self.made_by[atom], atom)
+            except Exception:  # anything that cannot run eagerly is simply not known
+                value = F.UNKNOWN
+        else:
+            value = F.UNKNOWN
+        self.form_memo[atom] = value
+        return value
+
+    def _symbolic(self, eqn, atom) -> Any:
+        name = eqn.primitive.name
+        if eqn.effects:
+            return F.UNKNOWN
+        body = self._body(eqn)
+        if body is not None:
+            for o, v in zip(eqn.outvars, body.outvars):
+                self.form_memo[o] = body.scope.symbolic(v)
+            return self.form_memo[atom]
+        out_shape = tuple(atom.aval.shape)
+        if name == "iota":
+            rank, dim = len(out_shape), jax_compat.param(eqn, "dimension")
+            index = F.Affine(tuple(int(k == dim) for k in range(rank)), 0).canon(out_shape)
+            return index if F.exact_in(index, out_shape, atom.aval.dtype) else F.UNKNOWN
+        if len(eqn.outvars) != 1:
+            return F.UNKNOWN
+        if name in _ELEMENTWISE:
+            ins = [self.symbolic(v) for v in eqn.invars]
+            bind = lambda vals: self._bind(eqn, vals)[0]  # noqa: E731
+            out = F.elementwise(name, ins, out_shape, atom.aval.dtype, bind)
+            return F.UNKNOWN if out is None else out
+        x = self.symbolic(eqn.invars[0]) if eqn.invars else F.UNKNOWN
+        if not isinstance(x, (F.Affine, F.Split)):
+            return x if x is F.UNKNOWN or _layout_only(name) else F.UNKNOWN
+        move = self._move(eqn, out_shape)
+        return F.UNKNOWN if move is None else F.laid_out(x, move)
+
+    def _move(self, eqn, out_shape):
+        """A layout operation as a function of index expressions, or None."""
+        name = eqn.primitive.name
+        in_shape = tuple(eqn.invars[0].aval.shape)
+        if name == "broadcast_in_dim":
+            dims = tuple(jax_compat.param(eqn, "broadcast_dimensions"))
+            source = {d: j for j, d in enumerate(dims)}
+            return lambda a: F.relaid(
+                a, lambda k: a.coef[source[k]] if k in source else 0, 0, out_shape
+            )
+        if name == "transpose":
+            perm = tuple(jax_compat.param(eqn, "permutation"))
+            return lambda a: F.relaid(a, lambda k: a.coef[perm[k]], 0, out_shape)
+        if name in ("reshape", "squeeze", "expand_dims"):  # only size-1 axes come or go
+            if name == "reshape" and jax_compat.param(eqn, "dimensions") is not None:
+                return None
+            if [n for n in in_shape if n != 1] != [n for n in out_shape if n != 1]:
+                return None
+            kept_in = [j for j, n in enumerate(in_shape) if n != 1]
+            kept_out = [k for k, n in enumerate(out_shape) if n != 1]
+            source = dict(zip(kept_out, kept_in))
+            return lambda a: F.relaid(
+                a, lambda k: a.coef[source[k]] if k in source else 0, 0, out_shape
+            )
+        if name in ("slice", "dynamic_slice"):
+            if name == "slice":
+                starts = [int(i) for i in jax_compat.param(eqn, "start_indices")]
+                strides = eqn.params.get("strides") or (1,) * len(in_shape)
+            else:
+                found = [self.concrete(v) for v in eqn.invars[1:]]
+                if any(c is None or np.size(c) != 1 for c in found):
+                    return None
+                starts = [  # (JAX clamps a start so that the slice fits)
+                    min(max(int(np.reshape(c, ())), 0), n - m)
+                    for c, n, m in zip(found, in_shape, out_shape)
+                ]
+                strides = (1,) * len(in_shape)
+
+            def sliced(a):
+                shift = sum(c * i for c, i in zip(a.coef, starts))
+                return F.relaid(a, lambda k: a.coef[k] * int(strides[k]), shift, out_shape)
+
+            return sliced
+        return None
 
     def _body(self, eqn) -> Optional[Any]:
         """A jitted call's body (`.scope`, its `.outvars`) to read in place, or None (another
@@ -253,8 +355,14 @@ class Scope:
             if any(np.ndim(x) not in (0, len(out_shape)) for x in ins):
                 return None
             small = np.broadcast_shapes(*(np.shape(x) for x in ins if np.ndim(x)))
+            if np.prod(small) > _MAX_CONCRETE:
+                return None  # (then too large whole as well: see `_evaluate`)
             ins = [x if np.ndim(x) == 0 else np.broadcast_to(x, small) for x in ins]
             return [compressed(self._bind(eqn, ins)[0])]
+        if name == "iota":  # along one axis, constant along the others
+            dim, dtype = jax_compat.param(eqn, "dimension"), jax_compat.param(eqn, "dtype")
+            shape = [n if d == dim else 1 for d, n in enumerate(out_shape)]
+            return [np.arange(out_shape[dim], dtype=dtype).reshape(shape)]
         if name == "broadcast_in_dim":
             (x,) = ins[:1]
             dims = tuple(jax_compat.param(eqn, "broadcast_dimensions"))
@@ -274,6 +382,12 @@ class Scope:
             it = iter(kept)
             return [np.reshape(x, [next(it) if n != 1 else 1 for n in out_shape])]
         return None
+
+
+def _layout_only(name: str) -> bool:
+    """Whether an operation's result holds its first operand's values, moved: a constant
+    stays that constant."""
+    return name in _LAYOUT or name in ("squeeze", "expand_dims", "slice", "dynamic_slice")
 
 
 def _on_host():

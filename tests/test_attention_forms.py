@@ -1,0 +1,143 @@
+"""Masks known by their form (`jamp.engine._attention_forms`), read by `Scope.symbolic`.
+
+Each program is read with the largest constant evaluated whole cut to 4 elements, so that its
+mask is known only by its form, as a long sequence's is; the form, spelled out on the grid, must
+agree with the values the program computes wherever it says it knows them (for data of every
+kind: all True, all False, random), and the masks built as models build them must have one.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jamp.engine import _attention_forms as F
+from jamp.engine import _attention_scope
+from jamp.engine._attention_scope import Scope
+
+T, S = 6, 9
+POS_Q, POS_K = (lambda: jnp.arange(T)), (lambda: jnp.arange(S))
+MIN = jnp.finfo(jnp.float32).min
+
+
+def _causal():  # top-left aligned: query i sees keys up to i
+    return POS_Q()[:, None] >= POS_K()[None, :]
+
+
+def _hf_bias(d, shift=2):
+    """Hugging Face's Flax GPT-2: a causal mask sliced from a longer one (from row `shift`, a
+    cache's index), combined with the attention mask it is given (data), made a bias of 0 and
+    the most negative float."""
+    long = nn.make_causal_mask(jnp.ones((1, S + 3), bool), dtype=bool)
+    causal = jax.lax.dynamic_slice(long, (0, 0, shift, 0), (1, 1, T, S))[0, 0]
+    mask = nn.combine_masks(d, causal)
+    return jax.lax.select(mask > 0, jnp.zeros((T, S)), jnp.full((T, S), MIN))
+
+
+# name -> (function of a data mask d: bool[T, S], whether a form must be found)
+PROGRAMS = {
+    "tril": (lambda d: jnp.tril(jnp.ones((T, S), bool)), True),
+    "tril k=1": (lambda d: jnp.tril(jnp.ones((T, S), bool), k=1), True),
+    "tril k=-1": (lambda d: jnp.tril(jnp.ones((T, S), bool), k=-1), True),
+    "triu": (lambda d: jnp.triu(jnp.ones((T, S), bool)), True),
+    "linen make_causal_mask": (
+        lambda d: nn.make_causal_mask(jnp.ones((2, S)))[0, 0, :T].astype(bool),
+        True,
+    ),
+    "ge": (lambda d: _causal(), True),
+    "gt": (lambda d: POS_Q()[:, None] > POS_K()[None, :], True),
+    "le": (lambda d: POS_Q()[:, None] <= POS_K()[None, :], True),
+    "lt, float positions": (
+        lambda d: POS_Q().astype(jnp.float32)[:, None] < POS_K().astype(jnp.float32)[None, :],
+        True,
+    ),
+    "bottom-right (a cache's offset)": (
+        lambda d: POS_Q()[:, None] + (S - T) >= POS_K()[None, :],
+        True,
+    ),
+    "transposed": (lambda d: (POS_K()[:, None] >= POS_Q()[None, :]).T, True),
+    "as float, != 0": (lambda d: _causal().astype(jnp.float32) != 0, True),
+    "not": (lambda d: jnp.logical_not(_causal()), True),
+    "strided slice": (
+        lambda d: (jnp.arange(2 * T + 1)[:, None] >= POS_K()[None, :])[1::2],
+        True,
+    ),
+    "dynamic slice past the end (clamped)": (
+        lambda d: jax.lax.dynamic_slice(
+            nn.make_causal_mask(jnp.ones((1, S + 3)), dtype=bool), (0, 0, 100, 0), (1, 1, T, S)
+        ),
+        True,
+    ),
+    "where(causal, 0, min)": (lambda d: jnp.where(_causal(), 0.0, MIN), True),
+    "and data": (lambda d: jnp.logical_and(d, _causal()), True),
+    "or data": (lambda d: jnp.logical_or(d, _causal()), True),
+    "where(causal, data, False)": (lambda d: jnp.where(_causal(), d, False), True),
+    "Hugging Face's bias": (_hf_bias, True),
+    # No form here carries these: read as unknown, never wrongly.
+    "a window (two predicates)": (
+        lambda d: _causal() & (POS_Q()[:, None] - POS_K()[None, :] < 3),
+        False,
+    ),
+    "eq": (lambda d: POS_Q()[:, None] == POS_K()[None, :], False),
+    "positions scaled by 0.5": (
+        lambda d: POS_Q()[:, None] * 0.5 >= POS_K()[None, :] * 0.5,
+        False,
+    ),
+    "an iota in bfloat16 past its exact integers": (
+        lambda d: (
+            jax.lax.broadcasted_iota(jnp.bfloat16, (300, 300), 0)
+            >= jax.lax.broadcasted_iota(jnp.bfloat16, (300, 300), 1)
+        ),
+        False,
+    ),
+    "positions in bfloat16 past its exact integers": (
+        lambda d: (
+            jnp.arange(300).astype(jnp.bfloat16)[:, None]
+            >= jnp.arange(300).astype(jnp.bfloat16)[None, :]
+        ),
+        False,
+    ),
+}
+
+
+def _spelled_out(form, shape):
+    """(values, known) of a form over `shape`."""
+    if isinstance(form, F.Split):
+        at = sum(c * i for c, i in zip(form.pred.coef, np.indices(shape))) + form.pred.offset
+        where = at >= 0
+        known = np.where(where, form.yes is not F.UNKNOWN, form.no is not F.UNKNOWN)
+        fill = lambda v: np.zeros(()) if v is F.UNKNOWN else v  # noqa: E731
+        return np.where(where, fill(form.yes), fill(form.no)), known
+    if isinstance(form, F.Affine):
+        return sum(c * i for c, i in zip(form.coef, np.indices(shape))) + form.offset, True
+    if form is F.UNKNOWN or form is None:
+        return np.zeros(shape), np.zeros(shape, bool)
+    return np.broadcast_to(form, shape), np.ones(shape, bool)
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_a_form_agrees_with_the_values_wherever_it_says_it_knows_them(name, monkeypatch):
+    monkeypatch.setattr(_attention_scope, "_MAX_CONCRETE", 4)  # every mask known by its form
+    fn, has_form = PROGRAMS[name]
+    data = jax.ShapeDtypeStruct((T, S), jnp.bool_)
+    closed = jax.make_jaxpr(fn)(data)
+    (out,) = closed.jaxpr.outvars
+    form = Scope(closed.jaxpr, closed.consts).symbolic(out)
+    assert isinstance(form, F.Split) == has_form, form
+    values, known = _spelled_out(form, out.aval.shape)
+    rng = np.random.default_rng(0)
+    for d in (np.ones((T, S), bool), np.zeros((T, S), bool), rng.random((T, S)) < 0.5):
+        got = np.asarray(fn(jnp.asarray(d)))
+        np.testing.assert_array_equal(np.where(known, values, 0), np.where(known, got, 0))
+
+
+def test_which_predicates_are_causal():
+    lower = F.half_plane(F.Affine((0, 3, -3), 2), False)  # 3 i - 3 j + 2 >= 0: i >= j
+    assert F.causal(lower, 1, 2) is True
+    assert F.causal(lower, 2, 1) is None  # queries and keys the other way round
+    upper = F.half_plane(F.Affine((0, -1, 1), 0), True)  # j > i
+    assert F.causal(upper, 1, 2) is False
+    shifted = F.half_plane(F.Affine((0, 1, -1), 1), False)  # i + 1 >= j: one key further
+    assert F.causal(shifted, 1, 2) is None
+    assert F.half_plane(F.Affine((0, 0, 0), 5), False) is None  # constant: no predicate
