@@ -4,8 +4,8 @@ same computation written out elsewhere.
 `jamp.engine` recognises attention in a traced program (`softmax(q k^T * scale + bias, masked)
 v`, in any layout) and hands it here in one layout, BTNH: q [B, T, N, H], k and v [B, S, K, H]
 with N a multiple of K (grouped-query heads: q head n reads k / v head n // (N / K)), an additive
-bias and a boolean mask broadcastable to [B, N, T, S], a float scale and whether the mask is
-causal. `attend` runs it:
+bias and a boolean mask broadcastable to [B, N, T, S], a float scale, whether the mask is causal
+and a causal mask's sliding window. `attend` runs it:
 
 * on an NVIDIA GPU target, as `jax.nn.dot_product_attention(..., implementation="cudnn")`: one
   fused kernel forward and one backward (flash attention), which keep no [T, S] scores for the
@@ -51,7 +51,7 @@ def _saturated(bias, dtype):
     return jnp.clip(bias, float(info.min), float(info.max)).astype(dtype)
 
 
-def _written_out(q, k, v, bias, mask, scale, causal, compute_dtype):
+def _written_out(q, k, v, bias, mask, scale, causal, window, compute_dtype):
     """The reference form: two mixed-precision matmuls around a float32 softmax."""
     _, t, n, _ = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
@@ -67,6 +67,8 @@ def _written_out(q, k, v, bias, mask, scale, causal, compute_dtype):
     keep = None if mask is None else mask
     if causal:
         tril = jnp.tril(jnp.ones((t, s), bool))
+        if window is not None:  # and no key more than `window` before the query
+            tril = jnp.logical_and(tril, jnp.triu(jnp.ones((t, s), bool), -window))
         keep = tril if keep is None else jnp.logical_and(keep, tril)
     if keep is not None:
         logits = jnp.where(keep, logits, np.float32(-0.7 * np.finfo(np.float32).max))
@@ -87,6 +89,7 @@ def attend(
     mask=None,
     scale: float,
     causal: bool,
+    window: Optional[int] = None,
     compute_dtype,
 ) -> tuple[jax.Array, str, str]:
     """Attention of q over k / v in `compute_dtype`, fused where the target allows.
@@ -99,11 +102,15 @@ def attend(
       mask: None, or a boolean array broadcastable to [B, N, T, S]: False hides a key.
       scale: the factor of q k^T.
       causal: query t sees keys 0 .. t only (top-left aligned).
+      window: with `causal`, query t sees keys t - window .. t only (a sliding window: cuDNN
+        skips the scores outside it); None for none.
       compute_dtype: float16 or bfloat16.
 
     Returns:
       (the output [B, T, N, H] in `compute_dtype`, "cudnn" or "xla", why not cuDNN: "" when it is).
     """
+    if window is not None and not causal:
+        raise ValueError(f"a sliding window ({window}) needs causal=True")
     compute_dtype = np.dtype(compute_dtype)
     q, k, v = (x.astype(compute_dtype) for x in (q_BTNH, k_BSKH, v_BSKH))
     why = _cudnn_target()
@@ -120,12 +127,13 @@ def attend(
                 mask=cudnn_mask,
                 scale=float(scale),
                 is_causal=causal,
+                local_window_size=None if window is None else (int(window), 0),
                 implementation="cudnn",
             )
             return out.astype(compute_dtype), "cudnn", ""
         except (NotImplementedError, ValueError, RuntimeError) as e:  # cuDNN's own refusals
             why = f"cuDNN refused it: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-    out = _written_out(q, k, v, bias, mask, scale, causal, compute_dtype)
+    out = _written_out(q, k, v, bias, mask, scale, causal, window, compute_dtype)
     return out.astype(compute_dtype), "xla", why
 
 

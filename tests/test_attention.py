@@ -206,11 +206,23 @@ def test_long_sequence_masks_are_read_by_their_form_not_evaluated(monkeypatch):
     def linen(q, k, v):
         return nn.dot_product_attention(q, k, v, mask=nn.make_causal_mask(jnp.ones((1, long))))
 
+    def window(q, k, v):
+        near = pos()[:, None] - pos()[None, :] < 4096
+        mask = nn.combine_masks(nn.make_causal_mask(q[..., 0, 0]), near[None, None])
+        return nn.dot_product_attention(q, k, v, mask=mask)
+
     x = jax.ShapeDtypeStruct((1, long, 2, 8), jnp.float32)
     data = jax.ShapeDtypeStruct((1, long), jnp.int32)
-    for fn, args in ((hand, (x, x, x)), (linen, (x, x, x)), (hf, (x, x, x, data))):
+    for fn, args in (
+        (hand, (x,) * 3),
+        (linen, (x,) * 3),
+        (hf, (x,) * 3 + (data,)),
+        (window, (x,) * 3),
+    ):
         jax.make_jaxpr(_run(fn, BF16))(*args)
-    assert [(c["causal"], c["mask"]) for c in calls] == [(True, None)] * 3
+    assert [(c["causal"], c["mask"], c["window"]) for c in calls] == [(True, None, None)] * 3 + [
+        (True, None, 4095)
+    ]
     assert calls[0]["bias"] is None and calls[1]["bias"] is None
     assert calls[2]["bias"].shape == (1, 1, long, long)  # the data's, as the program computes it
     calls.clear()
@@ -236,6 +248,44 @@ def test_long_sequence_masks_are_read_by_their_form_not_evaluated(monkeypatch):
         (False, False),
         (False, False),
     ]
+
+
+def test_sliding_window_masks_run_as_a_causal_mask_with_a_window(monkeypatch):
+    """A causal mask with a sliding window (query i sees keys i - W .. i: Mistral's, Gemma's
+    local layers) as one mask, as two masks applied in turn, as `jax.nn`'s own
+    `local_window_size`, constant arrays or known by their form only: cuDNN's causal mask type
+    with its window (it skips the scores outside), no mask array, the same outputs."""
+    from jamp.engine import _attention_scope
+
+    w = 5
+
+    def one_mask(q, k, v):
+        pos = jnp.arange(T)
+        near = pos[:, None] - pos[None, :] <= w
+        return nn.dot_product_attention(q, k, v, mask=(pos[:, None] >= pos[None, :]) & near)
+
+    def in_turn(q, k, v):
+        pos = jnp.arange(T)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        s = jnp.where(pos[:, None] >= pos[None, :], s, -1e30)
+        s = jnp.where(pos[:, None] - w <= pos[None, :], s, -1e30)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    def jax_nn(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(w, 0))
+
+    for cap in (None, 4):  # evaluated whole; known by form only (as a long sequence's)
+        if cap is not None:
+            monkeypatch.setattr(_attention_scope, "_MAX_CONCRETE", cap)
+        calls = _spy_attend_options(monkeypatch)
+        for fn in (one_mask, in_turn, jax_nn):
+            got = _run(fn, BF16)(Q, K, V)
+            want = _run(fn, BF16, fuse=False)(Q, K, V)
+            np.testing.assert_allclose(
+                np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2
+            )
+        got = [(c["causal"], c["window"], c["mask"], c["bias"]) for c in calls]
+        assert got == [(True, w, None, None)] * 3, (cap, got)
 
 
 def test_attention_is_causal_where_masks_of_data_hide_at_least_the_causal_half(monkeypatch):

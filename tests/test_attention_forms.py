@@ -74,9 +74,25 @@ PROGRAMS = {
     "or data": (lambda d: jnp.logical_or(d, _causal()), True),
     "where(causal, data, False)": (lambda d: jnp.where(_causal(), d, False), True),
     "Hugging Face's bias": (_hf_bias, True),
-    # No form here carries these: read as unknown, never wrongly.
-    "a window (two predicates)": (
+    "a sliding window (two half-planes)": (
         lambda d: _causal() & (POS_Q()[:, None] - POS_K()[None, :] < 3),
+        True,
+    ),
+    "data in a sliding window": (
+        lambda d: d & _causal() & (POS_Q()[:, None] - POS_K()[None, :] <= 2),
+        True,
+    ),
+    "jax.nn's window mask (constant positions)": (
+        lambda d: (jnp.array(range(T))[:, None] <= jnp.array(range(S))[None, :] + 2) & _causal(),
+        True,
+    ),
+    "data or a sliding window": (
+        lambda d: d | (_causal() & (POS_Q()[:, None] - POS_K()[None, :] < 3)),
+        True,
+    ),
+    # No form here carries these: read as unknown, never wrongly.
+    "a union of two regions": (
+        lambda d: _causal() | (POS_Q()[:, None] + 2 < POS_K()[None, :]),
         False,
     ),
     "eq": (lambda d: POS_Q()[:, None] == POS_K()[None, :], False),
@@ -104,8 +120,9 @@ PROGRAMS = {
 def _spelled_out(form, shape):
     """(values, known) of a form over `shape`."""
     if isinstance(form, F.Split):
-        at = sum(c * i for c, i in zip(form.pred.coef, np.indices(shape))) + form.pred.offset
-        where = at >= 0
+        where = np.ones(shape, bool)
+        for h in form.region:
+            where &= sum(c * i for c, i in zip(h.coef, np.indices(shape))) + h.offset >= 0
         known = np.where(where, form.yes is not F.UNKNOWN, form.no is not F.UNKNOWN)
         fill = lambda v: np.zeros(()) if v is F.UNKNOWN else v  # noqa: E731
         return np.where(where, fill(form.yes), fill(form.no)), known
@@ -132,12 +149,23 @@ def test_a_form_agrees_with_the_values_wherever_it_says_it_knows_them(name, monk
         np.testing.assert_array_equal(np.where(known, values, 0), np.where(known, got, 0))
 
 
-def test_which_predicates_are_causal():
+def test_which_regions_are_causal_and_which_have_a_window():
+    t, s = 1, 2  # over [B, T, S]
     lower = F.half_plane(F.Affine((0, 3, -3), 2), False)  # 3 i - 3 j + 2 >= 0: i >= j
-    assert F.causal(lower, 1, 2) is True
-    assert F.causal(lower, 2, 1) is None  # queries and keys the other way round
+    assert lower == F.lower(3, t, s) and F.causal_window((lower,), t, s) == (True, None)
+    assert F.causal_window((lower,), s, t) is None  # queries and keys the other way round
     upper = F.half_plane(F.Affine((0, -1, 1), 0), True)  # j > i
-    assert F.causal(upper, 1, 2) is False
+    assert upper == F.negated(lower) and F.causal_window((upper,), t, s) is None
+    window = F.half_plane(F.Affine((0, -1, 1), 4), False)  # j >= i - 4
+    region = F.region_split([(lower, True), (window, True)], True, False).region
+    assert F.causal_window(region, t, s) == (True, 4)
+    assert F.causal_window((window,), t, s) is None  # a window alone is no mask type
     shifted = F.half_plane(F.Affine((0, 1, -1), 1), False)  # i + 1 >= j: one key further
-    assert F.causal(shifted, 1, 2) is None
+    assert F.causal_window((shifted,), t, s) is None
     assert F.half_plane(F.Affine((0, 0, 0), 5), False) is None  # constant: no predicate
+    # What hides at least what causal hides: outside the causal region, or the keys after.
+    assert F.covers_upper((lower,), False, True, t, s)
+    assert F.covers_upper(region, False, True, t, s)  # outside causal and window
+    assert F.covers_upper((upper,), True, False, t, s)
+    assert not F.covers_upper((lower,), True, False, t, s)
+    assert not F.covers_upper((window,), False, True, t, s)

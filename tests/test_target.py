@@ -8,6 +8,9 @@ dtypes are checked under a policy. Needs JAX's CUDA plugin (`pip install 'jamp-j
 CI's newest end); without it these tests skip, saying so.
 """
 
+from typing import Optional
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,9 +19,10 @@ import pytest
 from flax import nnx
 
 import jamp
-from jamp import hardware, sharding
+from jamp import hardware, hlo, sharding
 from jamp import target as target_lib
 from jamp.hlo import buffers
+from jamp.hlo import kernels as kernels_lib
 from jamp.inspect._paths import op_name_path
 from jamp.models import ResNet, SeedCNN, TransformerLM, nnx_models
 from jamp.scopes import SUM_SCOPE
@@ -249,6 +253,46 @@ def test_compile_for_a_long_sequence_runs_causal_attention_without_a_mask_array(
     (attention,) = report.attention
     assert attention.fused and attention.mask == "causal"
     assert f"{n},{n}]" not in report.hlo_text
+
+
+class _LocalAttention(nn.Module):
+    """Self-attention with a causal mask and, given a window, a sliding one (Mistral's)."""
+
+    window: Optional[int]
+
+    @nn.compact
+    def __call__(self, x):
+        q, k, v = (nn.DenseGeneral((4, 64))(x) for _ in range(3))
+        pos = jnp.arange(x.shape[1])
+        mask = pos[:, None] >= pos[None, :]
+        if self.window is not None:
+            mask &= pos[:, None] - pos[None, :] <= self.window
+        return nn.dot_product_attention(q, k, v, mask=mask)
+
+
+@pytest.mark.gpu_compile
+def test_compile_for_a_sliding_window_runs_as_cudnns_window():
+    """A causal mask with a sliding window of 1024 over 8192 positions (read by its form) runs
+    as cuDNN's causal mask type with its window: each query's 1025 keys, not the whole causal
+    half (the attention's matrix FLOPs a quarter of causal's), and no [8192, 8192] mask."""
+    n, flops = 8192, {}
+    for window in (None, 1024):
+        model = jamp.wrap(_LocalAttention(window), "mixed_bfloat16")
+        x = jax.ShapeDtypeStruct((1, n, 32), jnp.float32)
+        params = jax.eval_shape(model.init, jax.random.key(0), x)
+
+        def grad(p, x, model=model):
+            return jax.grad(lambda p: jnp.mean(model.apply(p, x).astype(jnp.float32)))(p)
+
+        report = jamp.compile_for(grad, params, x, target=H200)
+        (attention,) = report.attention
+        assert attention.fused and attention.mask == (
+            "causal" if window is None else "causal, window 1025"
+        )
+        assert f"{n},{n}]" not in report.hlo_text
+        program = kernels_lib.kernels(hlo.parse(report.hlo_text))
+        flops[window] = sum(k.flops * k.count for k in program if k.kind == "attention")
+    assert 0.2 < flops[1024] / flops[None] < 0.25  # (1025 x 8192 - 1025^2 / 2) / (8192^2 / 2)
 
 
 @pytest.mark.gpu_compile

@@ -17,7 +17,8 @@ lower-triangular one becomes cuDNN's causal mask type instead of a [B, T, S] arr
 bias computed from data and constants, what holds whatever the data is read likewise; where it
 hides at least the causal half, the attention is causal as well (see `_masks`). Past what is
 evaluated whole (a long sequence's mask), a mask built from `iota` comparisons is read by its
-form instead (`_attention_forms`), at any length.
+form instead (`_attention_forms`), at any length. A causal mask with a sliding window (query i
+sees keys i - W .. i) is read as cuDNN's causal mask type with that window.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _to_bnts(x, roles_order, full_sizes, xp=jnp):
 
 
 def _masks(attn: Attn, roles_order, full_sizes):
-    """(mask array or None, causal): constant masks that are lower-triangular become the causal
+    """(mask array or None, causal, window or None): constant masks that are lower-triangular become the causal
     mask type, constant all-True ones vanish; the rest are combined into one boolean array.
 
     Where the masks and biases hide at least what a causal mask hides, whatever the program's
@@ -83,36 +84,48 @@ def _masks(attn: Attn, roles_order, full_sizes):
     is hidden from, a padding row, then averages the values of keys up to it, not of all keys.)
 
     Masks of long sequences known by their form (`_attention_forms.Split`) are read so, never
-    as T x S arrays; one that is neither causal nor all True stays as the program computes it.
+    as T x S arrays: causal, or causal with a sliding window (query i sees keys i - window .. i:
+    cuDNN skips the scores outside it); others stay as the program computes them.
     """
     t_axis, s_axis = roles_order[2], roles_order[3]
-    causal = False
-    known, data = [], []
+    causal, window = False, None
+    known: list = []
+    data: list = []
+    by_form: list = []
+    planes: set[F.Affine] = set()
     for m, c in attn.masks:
         if isinstance(c, F.Split):
             values = [bool(c.yes), bool(c.no)]
             if all(values):
                 continue
-            side = F.causal(c.pred, t_axis, s_axis)
-            if side is not None and values == [side, not side]:
-                causal = True
+            region = c.region
+            if values == [False, True] and len(region) == 1:  # kept outside one half-plane
+                region, values = (F.negated(region[0]),), [True, False]
+            if values == [True, False]:
+                planes.update(region)
+                by_form.append(m)
                 continue
             c = None  # a region no mask type is: the mask as the program computes it
         if c is None:
-            data.append(_to_bnts(m, roles_order, full_sizes))
+            data.append(m)
         else:
             known.append(c)
+    if planes:
+        ordered = tuple(sorted(planes, key=lambda h: (h.coef, h.offset)))
+        read = F.causal_window(ordered, t_axis, s_axis)
+        if read is None:  # (together, no mask type either)
+            data += by_form
+        else:
+            causal, window = read
     mask = None
     for m in data:
+        m = _to_bnts(m, roles_order, full_sizes)
         mask = m if mask is None else jnp.logical_and(mask, m)
     t, s = full_sizes[t_axis], full_sizes[s_axis]
     hidden = []
     for h in attn.hidden:
         if isinstance(h, F.Split):
-            side = F.causal(h.pred, t_axis, s_axis)  # hides where not causal: covers that half
-            causal |= (bool(h.yes) and bool(h.no)) or (
-                side is not None and bool(h.no if side else h.yes)
-            )
+            causal |= F.covers_upper(h.region, bool(h.yes), bool(h.no), t_axis, s_axis)
         else:
             hidden.append(_to_bnts(h, roles_order, full_sizes, np))
     if known:
@@ -127,13 +140,17 @@ def _masks(attn: Attn, roles_order, full_sizes):
                 combined = None
             elif not causal and _lower_triangular(first, t, s):
                 causal, combined = True, None
+            elif not causal and window is None:
+                window = _band(first, t, s)
+                if window is not None:
+                    causal, combined = True, None
         if combined is not None:
             hidden.append(np.logical_not(combined))
             mask = jnp.asarray(combined) if mask is None else jnp.logical_and(mask, combined)
     if not causal and hidden:
         both = np.logical_or.reduce(np.broadcast_arrays(*hidden)) if len(hidden) > 1 else hidden[0]  # type: ignore[call-overload]
         causal = _covers_upper(both, t, s)
-    return mask, causal
+    return mask, causal, window
 
 
 def _lower_triangular(x: np.ndarray, t: int, s: int) -> bool:
@@ -141,6 +158,18 @@ def _lower_triangular(x: np.ndarray, t: int, s: int) -> bool:
     if x.shape != (t, s):  # constant along queries or keys (and not all True): not causal
         return False
     return bool((x == np.tri(t, s, dtype=bool)).all())
+
+
+def _band(x: np.ndarray, t: int, s: int) -> Optional[int]:
+    """`window` where compressed bools `x` are a causal mask with a sliding window (query i sees
+    keys i - window .. i), else None."""
+    if x.shape != (t, s) or t < 2:
+        return None
+    window = int(x[t - 1].sum()) - 1  # the last query's keys: itself and `window` before it
+    if window < 0 or window >= t - 1:
+        return None
+    band = np.tri(t, s, dtype=bool) & ~np.tri(t, s, -window - 1, dtype=bool)
+    return window if bool((x == band).all()) else None
 
 
 def _covers_upper(hidden: np.ndarray, t: int, s: int) -> bool:
@@ -260,9 +289,17 @@ def fuse(eqn, vals, engine: Engine, where: str) -> Optional[list]:
     )
     full = attn.first.outvars[0].aval.shape
     bias = None if attn.bias is None else _to_bnts(attn.bias, order, full)
-    mask, causal = _masks(attn, order, full)
+    mask, causal, window = _masks(attn, order, full)
     out, how, why = attention.attend(
-        q4, k4, v4, bias=bias, mask=mask, scale=attn.scale, causal=causal, compute_dtype=dtype
+        q4,
+        k4,
+        v4,
+        bias=bias,
+        mask=mask,
+        scale=attn.scale,
+        causal=causal,
+        window=window,
+        compute_dtype=dtype,
     )
     # [B, T, N, Hv] -> [B, T, batch 1.., query 1.., value free..] -> the matmul's output layout
     b_size = [np.shape(q)[q_b[0]]] if nb else [1]

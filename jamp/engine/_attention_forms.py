@@ -4,12 +4,15 @@ A causal mask over 65,536 positions has 4.3G elements; evaluated while tracing, 
 24 GiB host (and past 4096 x 4096 it was not evaluated, so the attention computed every score).
 Built from `iota`, though, it has a form that any length shares: `Affine` is an index
 expression `offset + sum(coef[d] * i_d)` over the axes of a value's shape, and `Split` a value
-that is `yes` where an integer `Affine` is >= 0 and `no` elsewhere, either possibly `UNKNOWN`
-(data: what a mask of data and constants holds whatever the data is, as `Scope.partial` reads on
-arrays). A comparison of two index expressions is a `Split`; operations element by element on
-`Split`s of one predicate act on their two values; broadcasts, transposes, reshapes of size-1
-axes and slices act on the predicate. `Scope.symbolic` reads a program so
-(`jamp.engine._attention_scope`); `causal` says whether a predicate is the causal one.
+that is `yes` inside a region (where each of its integer `Affine`s is >= 0: one half-plane for
+a causal mask, two for a causal mask with a sliding window) and `no` outside, either possibly
+`UNKNOWN` (data: what a mask of data and constants holds whatever the data is, as
+`Scope.partial` reads on arrays). A comparison of two index expressions is a `Split`;
+operations element by element on `Split`s of one region act on their two values, an `and` of
+masks false outside their regions is one of the intersection; broadcasts, transposes, reshapes
+of size-1 axes and slices act on the region. `Scope.symbolic` reads a program so
+(`jamp.engine._attention_scope`); `causal_window` says whether a region is the causal mask, and
+its window.
 """
 
 from __future__ import annotations
@@ -58,19 +61,17 @@ class Affine:
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """`yes` where `pred` >= 0, `no` elsewhere (0-d arrays, or `UNKNOWN`); `pred` normalised, so
-    that equal predicates compare equal (coefficients without a common factor)."""
+    """`yes` inside `region`, `no` outside (0-d arrays, or `UNKNOWN`): the region is where
+    every one of its integer index expressions is >= 0 (one half-plane: a causal mask; two: a
+    causal mask and a sliding window), each normalised and the tuple sorted, so that equal
+    regions compare equal."""
 
-    pred: Affine
+    region: tuple
     yes: Any
     no: Any
 
     def known(self) -> bool:
         return self.yes is not UNKNOWN and self.no is not UNKNOWN
-
-
-def _is_scalar(x) -> bool:
-    return isinstance(x, np.ndarray) and x.ndim == 0
 
 
 def half_plane(a: Affine, strict: bool) -> Optional[Affine]:
@@ -84,11 +85,25 @@ def half_plane(a: Affine, strict: bool) -> Optional[Affine]:
     return Affine(tuple(c // g for c in a.coef), a.offset // g)
 
 
-def split(pred: Optional[Affine], yes, no, constant_truth: bool) -> Any:
-    """`Split(pred, yes, no)`, or the one value it is where the predicate is constant."""
-    if pred is None:
-        return yes if constant_truth else no
-    return Split(pred, yes, no)
+def negated(h: Affine) -> Affine:
+    """The half-plane outside `h`: not (a >= 0) is -a - 1 >= 0, for integers."""
+    return Affine(tuple(-c for c in h.coef), -h.offset - 1)
+
+
+def region_split(planes, yes, no) -> Any:
+    """`Split` of the region where every one of `planes` (normalised half-planes, or None for one
+    that is constant: `(None, truth)` pairs) holds; the one value it is where the region is
+    everywhere or nowhere."""
+    kept = []
+    for plane, truth in planes:
+        if plane is None:
+            if not truth:
+                return no
+            continue
+        kept.append(plane)
+    if not kept:
+        return yes
+    return Split(tuple(sorted(set(kept), key=lambda h: (h.coef, h.offset))), yes, no)
 
 
 def from_array(c: np.ndarray, shape) -> Any:
@@ -147,14 +162,24 @@ def elementwise(name: str, ins: list, shape: tuple, out_dtype, bind: Callable) -
         return _on_affine(name, ins, shape, out_dtype)
     if not splits:
         return None  # (scalars and unknowns: what `Scope.concrete` and `Scope.partial` read)
-    pred = splits[0].pred
-    if any(s.pred != pred for s in splits):
-        return None  # two predicates: a region no form here has
+    region = splits[0].region
+    if any(x.region != region for x in splits):
+        # Regions differ: an `and` of masks false outside their regions (a causal mask and a
+        # window, with data inside) is one outside the intersection; no other form is here.
+        if (
+            name != "and"
+            or len(splits) != len(ins)
+            or any(x.no is UNKNOWN or bool(x.no) for x in splits)
+        ):
+            return None
+        planes = [(h, True) for x in splits for h in x.region]
+        yes = _branch(name, [x.yes for x in splits], bind)
+        return region_split(planes, yes, np.asarray(False))
     branches = []
     for side in ("yes", "no"):
         vals = [getattr(x, side) if isinstance(x, Split) else x for x in ins]
         branches.append(_branch(name, vals, bind))
-    return Split(pred, branches[0], branches[1])
+    return Split(region, branches[0], branches[1])
 
 
 def _branch(name: str, vals: list, bind: Callable) -> Any:
@@ -195,9 +220,9 @@ def _on_affine(name: str, ins: list, shape: tuple, out_dtype) -> Any:
         a, b = forms
         flip, strict = _COMPARE[name]
         diff = b.minus(a) if flip else a.minus(b)
-        pred = half_plane(diff.canon(shape), strict)
         truth = diff.offset - (1 if strict else 0) >= 0
-        return split(pred, np.asarray(True), np.asarray(False), truth)
+        plane = (half_plane(diff.canon(shape), strict), truth)
+        return region_split([plane], np.asarray(True), np.asarray(False))
     if name in ("add", "sub"):
         a, b = forms
         out = a.minus(Affine(tuple(-c for c in b.coef), -b.offset)) if name == "add" else a.minus(b)
@@ -223,19 +248,46 @@ def laid_out(x: Any, move: Callable[[Affine], Optional[Affine]]) -> Any:
     if isinstance(x, Affine):
         return move(x)
     if isinstance(x, Split):
-        pred = move(x.pred)
-        if pred is None:
-            return None
-        norm = half_plane(pred, False)
-        return split(norm, x.yes, x.no, pred.offset >= 0)
+        planes = []
+        for h in x.region:
+            moved = move(h)
+            if moved is None:
+                return None
+            planes.append((half_plane(moved, False), moved.offset >= 0))
+        return region_split(planes, x.yes, x.no)
     return x  # 0-d arrays and UNKNOWN: the same everywhere
 
 
-def causal(pred: Affine, t: int, s: int) -> Optional[bool]:
-    """Over a [.., T, .., S] layout (query axis `t`, key axis `s`): True where `pred` is the
-    causal one, `i_t >= i_s` (a query sees keys up to itself), False where it is its complement
-    (`i_s > i_t`), None otherwise."""
-    rank = len(pred.coef)
-    lower = Affine(tuple(1 if k == t else -1 if k == s else 0 for k in range(rank)), 0)
-    upper = Affine(tuple(-c for c in lower.coef), -1)
-    return True if pred == lower else False if pred == upper else None
+def lower(rank: int, t: int, s: int) -> Affine:
+    """`i_t - i_s >= 0` over a [.., T, .., S] layout (query axis `t`, key axis `s`): a query
+    sees the keys up to itself, the causal mask."""
+    return Affine(tuple(1 if k == t else -1 if k == s else 0 for k in range(rank)), 0)
+
+
+def causal_window(region: tuple, t: int, s: int) -> Optional[tuple[bool, Optional[int]]]:
+    """(True, window) where `region` is the causal mask (`window` None) or the causal mask and
+    a sliding window in which query i sees keys i - window .. i; None for any other region."""
+    if not region:
+        return None
+    rank = len(region[0].coef)
+    causal = lower(rank, t, s)
+    if causal not in region:
+        return None
+    rest = [h for h in region if h != causal]
+    if not rest:
+        return True, None
+    (h,) = rest if len(rest) == 1 else (None,)
+    if h is None or h.coef != negated(causal).coef or h.offset < 0:
+        return None
+    return True, h.offset  # i_s - i_t + window >= 0
+
+
+def covers_upper(region: tuple, yes: bool, no: bool, t: int, s: int) -> bool:
+    """Whether a value that is `yes` inside `region` and `no` outside holds wherever a causal
+    mask hides (key after query, `i_s > i_t`)."""
+    if yes and no:
+        return True
+    if not region:
+        return False
+    causal = lower(len(region[0].coef), t, s)
+    return (no and causal in region) or (yes and region == (negated(causal),))

@@ -179,32 +179,37 @@ def _form_of(x, atom, scope: Optional[Scope]) -> Any:
     return form if isinstance(form, F.Split) else None
 
 
-def _form_placed(form: F.Split, x, sym: Sym) -> Optional[F.Split]:
-    """A `Split` of side value `x` with its predicate over the first matmul's output axes (as
-    `_placed` places arrays): a merged axis is the index expression of the axes it merges."""
+def _form_placed(form: F.Split, x, sym: Sym) -> Any:
+    """A `Split` of side value `x` with its region over the first matmul's output axes (as
+    `_placed` places arrays: a merged axis is the index expression of the axes it merges); the
+    one value it is where the region is everywhere or nowhere there; None where it cannot be."""
     assert sym.attn is not None  # an attention's value, not a broadcast side value
-    coef = list(form.pred.coef)
-    if isinstance(x, Sym):  # the source of a lazy broadcast
-        coef = [coef[x.dims.index(i)] if i in x.dims else 0 for i in range(len(x.shape))]
     full = sym.attn.first.outvars[0].aval.shape
-    if len(coef) != len(sym.perm):
-        return None
-    out = [0] * len(full)
-    for c, group in zip(coef, sym.perm):
-        stride = 1
-        for a in reversed(group):
-            out[a] += c * stride
-            stride *= full[a]
-    pred = F.half_plane(F.Affine(tuple(out), form.pred.offset).canon(full), False)
-    if pred is None:
-        return None  # (constant in this layout: a value a constant mask reads as well)
-    return F.Split(pred, form.yes, form.no)
+    planes = []
+    for h in form.region:
+        coef = list(h.coef)
+        if isinstance(x, Sym):  # the source of a lazy broadcast
+            coef = [coef[x.dims.index(i)] if i in x.dims else 0 for i in range(len(x.shape))]
+        if len(coef) != len(sym.perm):
+            return None
+        out = [0] * len(full)
+        for c, group in zip(coef, sym.perm):
+            stride = 1
+            for a in reversed(group):
+                out[a] += c * stride
+                stride *= full[a]
+        placed = F.Affine(tuple(out), h.offset).canon(full)
+        planes.append((F.half_plane(placed, False), placed.offset >= 0))
+    return F.region_split(planes, form.yes, form.no)
 
 
 def _known_form(x, atom, scope, sym: Sym) -> Optional[F.Split]:
     """A side value known everywhere by its form (a long sequence's constant mask), placed."""
     form = _form_of(x, atom, scope)
-    return None if form is None or not form.known() else _form_placed(form, x, sym)
+    if form is None or not form.known():
+        return None
+    placed = _form_placed(form, x, sym)
+    return placed if isinstance(placed, F.Split) else None
 
 
 def _surely(x, atom, scope, sym: Sym, where) -> Any:
@@ -222,7 +227,8 @@ def _surely(x, atom, scope, sym: Sym, where) -> Any:
         if form is None:
             return None
         hits = [v is not F.UNKNOWN and bool(where(v)) for v in (form.yes, form.no)]
-        return None if not any(hits) else _form_placed(F.Split(form.pred, *hits), x, sym)
+        placed = _form_placed(F.Split(form.region, *hits), x, sym) if any(hits) else None
+        return placed if isinstance(placed, F.Split) else None
     values, known = part
     hit = np.logical_and(known, where(values))
     return _placed(hit, x, sym) if hit.any() else None
@@ -342,7 +348,7 @@ def logits_rule(eqn, vals, atoms, scope) -> Optional[list]:
                 if side is None:
                     return None
                 keep = side.astype(np.float32) * sign > _MASKED  # (used if the form is not read)
-                attn.masks.append((keep, F.Split(form.pred, not hides[0], not hides[1])))
+                attn.masks.append((keep, F.Split(form.region, not hides[0], not hides[1])))
                 return [_like(sym)]
         side = _in_layout(others[0][0], sym)
         if side is None:
@@ -380,7 +386,7 @@ def logits_rule(eqn, vals, atoms, scope) -> Optional[list]:
         if i == 1:
             keep = jnp.logical_not(keep)
             if isinstance(constant, F.Split):
-                constant = F.Split(constant.pred, not constant.yes, not constant.no)
+                constant = F.Split(constant.region, not constant.yes, not constant.no)
             elif constant is not None:
                 constant = np.logical_not(constant)
         if constant is None:  # a mask of data and constants: where it hides whatever the data

@@ -108,7 +108,8 @@ def _dtype_class(operands: tuple[str, ...]) -> str:
 
 def _attention_flops(program: Program, inst: Instruction) -> int:
     """2 GEMMs forward (scores, mix), 5 backward (recompute scores, dP, dQ, dK, dV); causal masks
-    skip half of each. From the scores' shape [B, H, Lq, Lk] and the head size."""
+    skip half of each, sliding windows all but the window's keys. From the scores' shape
+    [B, H, Lq, Lk] and the head size."""
     config = inst.backend_config().get("cudnn_fmha_backend_config", {})
     scores = config.get("intermediate_tensor_shape", {}).get("dimensions", [])
     operands = program.operand_arrays(inst)
@@ -118,12 +119,17 @@ def _attention_flops(program: Program, inst: Instruction) -> int:
     one = 2 * int(np.prod([int(d) for d in scores], dtype=np.int64)) * int(head)
     gemms = 5 if "Backward" in inst.target else 2
     causal = 0.5 if "CAUSAL" in str(config.get("mask_type", "")) else 1.0
+    window = int(config.get("sliding_window_length", 0) or 0)
+    t, s = int(scores[2]), int(scores[3])
+    if window and causal < 1.0 and 0 < window < t:  # each query sees `window` keys at most
+        causal = (window * (window + 1) / 2 + (t - window) * window) / (t * s)
     return int(one * gemms * causal)
 
 
 def attention_mask(inst: Instruction) -> Optional[str]:
     """A cuDNN fused attention call's mask as cuDNN runs it: "causal" (half of the scores
-    skipped), "none" (every score computed), with " + bias" where it reads an additive bias;
+    skipped), "none" (every score computed), with ", window W" where each query sees W keys at
+    most (a sliding window) and " + bias" where it reads an additive bias;
     None for any other instruction (a backward call included: it runs its forward's mask)."""
     if inst.op != "custom-call" or not inst.target.startswith("__cudnn$fmha"):
         return None
@@ -131,6 +137,8 @@ def attention_mask(inst: Instruction) -> Optional[str]:
         return None
     config = inst.backend_config().get("cudnn_fmha_backend_config", {})
     mask = str(config.get("mask_type", "?")).lower().replace("no_mask", "none")
+    window = int(config.get("sliding_window_length", 0) or 0)
+    mask += f", window {window}" if window else ""
     return mask + (" + bias" if "Bias" in inst.target else "")
 
 

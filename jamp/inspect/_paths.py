@@ -69,7 +69,7 @@ class Name:
     transforms: tuple[str, ...] = ()
 
 
-def _split_top(text: str) -> list[str]:
+def split_top(text: str) -> list[str]:
     """`text` split at the slashes outside parentheses."""
     parts, depth, start = [], 0, 0
     for i, ch in enumerate(text):
@@ -103,7 +103,7 @@ def names(name_stack: str) -> list[Name]:
     transpose and jvp), B. A scope name that itself holds slashes (`jamp.autocast` re-enters an
     equation's whole name stack as one scope) is split too."""
     out: list[Name] = []
-    for part in _split_top(name_stack):
+    for part in split_top(name_stack):
         transforms = []
         while part.endswith(")") and "(" in part and _wraps_whole(part):
             head, inner = part.split("(", 1)
@@ -112,7 +112,7 @@ def names(name_stack: str) -> list[Name]:
             transforms.append(head)
             part = inner[:-1]
         around = tuple(reversed(transforms))  # innermost first
-        if "/" in part and len(_split_top(part)) > 1:  # a wrapped scope holding a whole stack
+        if "/" in part and len(split_top(part)) > 1:  # a wrapped scope holding a whole stack
             for sub in names(part):
                 out.append(Name(sub.text, sub.transforms + around))
         elif part:
@@ -266,6 +266,6 @@ def op_name_path(op_name: str, calls: Optional[ModuleCalls] = None) -> tuple[str
       op_name_path("jit(step)/jit(main)/transpose(jvp(Wrapped.apply))/Model/Dense_0/dot_general")
       # ("Dense_0", True)
     """
-    parts = _split_top(op_name)
+    parts = split_top(op_name)
     stack = "/".join(parts[:-1])  # the last name is the primitive
     return module_path(stack, calls), is_backward(stack)

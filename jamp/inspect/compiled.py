@@ -25,7 +25,7 @@ from jamp import hlo, losses
 from jamp.hlo import buffers
 from jamp.hlo.kernels import attention_mask
 from jamp.inspect import timing
-from jamp.inspect._paths import op_name_path
+from jamp.inspect._paths import op_name_path, split_top
 
 _GIB = float(1 << 30)
 
@@ -175,9 +175,19 @@ class CompileReport:
         return "\n".join(_table_lines(self))
 
 
+_TRANSFORM = re.compile(r"^(?:jvp|transpose|vmap|remat|checkpoint)\((.*)\)$")
+
+
 def _scope(op_name: str) -> str:
-    """An op name's scopes without the primitive and JAX's own wrappers ("(top level)" if none)."""
-    parts = [p for p in op_name.split("/")[:-1] if not p.startswith(("jit(", "pjit("))]
+    """An op name's scopes without the primitive and JAX's own wrappers ("(top level)" if none):
+    `jit(...)` levels dropped, transformations unwrapped ("transpose(jvp(Wrapped.apply))" is
+    "Wrapped.apply"), so that a forward and its backward name one place."""
+    parts = []
+    for part in split_top(op_name)[:-1]:
+        while (m := _TRANSFORM.match(part)) is not None:
+            part = m.group(1)
+        if not part.startswith(("jit(", "pjit(")):
+            parts.append(part)
     return "/".join(parts) or "(top level)"
 
 
