@@ -169,3 +169,22 @@ def test_which_regions_are_causal_and_which_have_a_window():
     assert F.covers_upper((upper,), True, False, t, s)
     assert not F.covers_upper((lower,), True, False, t, s)
     assert not F.covers_upper((window,), False, True, t, s)
+
+
+def test_the_few_values_a_bias_of_data_can_take():
+    """`Scope.values`: Hugging Face's bias is 0 or the most negative float whatever the
+    attention mask it is given (so it is that mask); a bias computed from the data is not."""
+
+    def values(fn, *args):
+        closed = jax.make_jaxpr(fn)(*args)
+        return Scope(closed.jaxpr, closed.consts).values(closed.jaxpr.outvars[0])
+
+    data = jax.ShapeDtypeStruct((T, S), jnp.bool_)
+    np.testing.assert_array_equal(values(_hf_bias, data), np.array([MIN, 0.0], np.float32))
+    shifted = values(lambda d: jnp.where(d, 1.0, -2.0).astype(jnp.bfloat16) * 3, data)
+    np.testing.assert_array_equal(shifted.astype(np.float32), [-6.0, 3.0])
+    assert values(lambda d: d.astype(jnp.float32) * jnp.arange(S), data) is None
+    assert (
+        values(lambda x: jnp.where(x > 0, x, MIN), jax.ShapeDtypeStruct((T, S), jnp.float32))
+        is None
+    )

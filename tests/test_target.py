@@ -295,6 +295,51 @@ def test_compile_for_a_sliding_window_runs_as_cudnns_window():
     assert 0.2 < flops[1024] / flops[None] < 0.25  # (1025 x 8192 - 1025^2 / 2) / (8192^2 / 2)
 
 
+class _GivenMaskAttention(nn.Module):
+    """Hugging Face GPT-2's attention masking: its causal mask and the attention mask it is
+    given (data), combined and made an additive bias of 0 or the most negative float."""
+
+    @nn.compact
+    def __call__(self, x, attention_mask):
+        q, k, v = (nn.DenseGeneral((2, 64))(x) for _ in range(3))
+        b, t = attention_mask.shape
+        causal = nn.make_causal_mask(jnp.ones((1, t), bool), dtype=bool)
+        given = jnp.broadcast_to(attention_mask[:, None, None, :], (b, 1, t, t))
+        mask = nn.combine_masks(given, jnp.broadcast_to(causal, (b, 1, t, t)))
+        fill = jnp.full(mask.shape, jnp.finfo(jnp.float32).min)
+        bias = jax.lax.select(mask > 0, jnp.zeros(mask.shape), fill)
+        return nn.dot_product_attention(q, k, v, bias=bias)
+
+
+@pytest.mark.gpu_compile
+def test_compile_for_a_bias_of_data_that_is_a_mask_computes_no_bias_gradient():
+    """A bias that is 0 or very negative whatever the data (Hugging Face's) goes to cuDNN as the
+    mask it is: causal, and no bias gradient written by the backward kernel (before: a
+    bf16[B, 1, T, S] output of every layer's backward that nothing reads)."""
+    import inspect
+
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    if "bias_is_differentiable" not in inspect.getsource(fused_attention_stablehlo):
+        pytest.skip("this JAX computes a boolean mask's bias gradient too (JAX 0.10)")
+    b, t = 2, 256
+    model = jamp.wrap(_GivenMaskAttention(), "mixed_bfloat16")
+    x = jax.ShapeDtypeStruct((b, t, 32), jnp.float32)
+    given = jax.ShapeDtypeStruct((b, t), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.key(0), x, given)
+
+    def grad(p, x, given):
+        return jax.grad(lambda p: jnp.mean(model.apply(p, x, given).astype(jnp.float32)))(p)
+
+    report = jamp.compile_for(grad, params, x, given, target=H200)
+    (attention,) = report.attention
+    assert attention.fused and attention.mask == "causal + bias"  # (the mask, as cuDNN takes it)
+    backward = [line for line in report.hlo_text.splitlines() if 'SoftmaxBackward"' in line]
+    assert backward and all(
+        f"[{b},1,{t},{t}]" not in line.split("custom-call(")[0] for line in backward
+    )
+
+
 @pytest.mark.gpu_compile
 def test_compile_for_memory_equals_xla_analysis_and_its_dtype_split_sums(five):
     policy, report = five

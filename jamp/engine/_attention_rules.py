@@ -168,6 +168,21 @@ def _concrete_in_layout(x, atom, scope, sym: Sym) -> Optional[np.ndarray]:
     return None if c is None else _placed(c, x, sym)
 
 
+def _few_values(x, atom, scope: Optional[Scope]) -> Optional[np.ndarray]:
+    """The few values side value `x` can take whatever the inputs are (`Scope.values`)."""
+    if isinstance(x, Sym) and x.kind == "bcast":
+        return None if x.scope is None else x.scope.values(x.atom)
+    if isinstance(x, (np.ndarray, np.generic, int, float, bool)):
+        return np.unique(np.asarray(x))
+    return None if scope is None or atom is None else scope.values(atom)
+
+
+def _mask_values(values: np.ndarray) -> bool:
+    """Whether a bias of these values is a mask: each 0 or very negative, some of them that."""
+    hides = values <= _MASKED
+    return bool((hides | (values == 0)).all() and hides.any())
+
+
 def _form_of(x, atom, scope: Optional[Scope]) -> Any:
     """The form of side value `x` (`Scope.symbolic`) where it is a `Split`, else None."""
     if isinstance(x, Sym) and x.kind == "bcast":
@@ -361,6 +376,12 @@ def logits_rule(eqn, vals, atoms, scope) -> Optional[list]:
         if surely is not None:
             attn.hidden.append(surely)
         side = side.astype(np.float32)
+        few = _few_values(*others[0], scope)
+        if few is not None and _mask_values(few.astype(np.float32) * sign):
+            # A bias that is 0 or very negative whatever the data (Hugging Face's, made of the
+            # attention mask it is given) is that mask: cuDNN then computes no bias gradient.
+            attn.masks.append((side * sign > _MASKED, None))
+            return [_like(sym)]
         side = -side if name == "sub" else side
         attn.bias = side if attn.bias is None else attn.bias + side
         return [_like(sym)]

@@ -21,6 +21,8 @@ _HORIZON = 48
 #: mask or a fill: a causal mask of up to 4096 x 4096 is evaluated; longer ones are read by
 #: their form (`Scope.symbolic`).
 _MAX_CONCRETE = 1 << 24
+#: The most values `Scope.values` keeps of a variable.
+_FEW = 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,6 +118,7 @@ class Scope:
         self.memo: dict[Any, Optional[np.ndarray]] = {}
         self.partial_memo: dict[Any, Optional[tuple[np.ndarray, np.ndarray]]] = {}
         self.form_memo: dict[Any, Any] = {}
+        self.values_memo: dict[Any, Optional[np.ndarray]] = {}
 
     def concrete(self, atom) -> Optional[np.ndarray]:
         """The value of `atom` if it is computed from constants alone, else None; compressed (it
@@ -327,6 +330,53 @@ class Scope:
 
             return sliced
         return None
+
+    def values(self, atom) -> Optional[np.ndarray]:
+        """The values `atom` can take whatever the program's inputs are, where they are few (at
+        most `_FEW`; a superset, sorted, 1-d), else None. E.g. Hugging Face's attention bias
+        `select(mask > 0, 0, min)` of a mask of data: [min, 0]."""
+        if isinstance(atom, jcore.Literal):
+            return np.unique(np.asarray(atom.val))
+        if atom in self.values_memo:
+            return self.values_memo[atom]
+        self.values_memo[atom] = None
+        c = self.concrete(atom)
+        value = None
+        if c is not None:
+            value = np.unique(c)
+        elif atom in self.inputs and self.parent is not None:
+            value = self.parent.values(self.inputs[atom])
+        elif atom in self.made_by:
+            try:
+                value = self._values(self.made_by[atom], atom)
+            except Exception:  # anything that cannot run eagerly is simply not known
+                value = None
+        if value is not None and value.size > _FEW:
+            value = None
+        self.values_memo[atom] = value
+        return value
+
+    def _values(self, eqn, atom) -> Optional[np.ndarray]:
+        name = eqn.primitive.name
+        if eqn.effects or len(eqn.outvars) != 1:
+            return None
+        body = self._body(eqn)
+        if body is not None:
+            (inner,) = [v for o, v in zip(eqn.outvars, body.outvars) if o is atom]
+            return body.scope.values(inner)
+        if name == "select_n":  # whichever case the predicate picks
+            cases = [self.values(v) for v in eqn.invars[1:]]
+            return None if any(c is None for c in cases) else np.unique(np.concatenate(cases))
+        if _layout_only(name):
+            return self.values(eqn.invars[0])
+        if name not in _ELEMENTWISE:
+            return None
+        found = [self.values(v) for v in eqn.invars]
+        ins = [x for x in found if x is not None]
+        if len(ins) != len(found) or np.prod([x.size for x in ins]) > _FEW**2:
+            return None
+        grids = np.meshgrid(*ins, indexing="ij")  # every combination of the operands' values
+        return np.unique(self._bind(eqn, [g.reshape(-1) for g in grids])[0])
 
     def _body(self, eqn) -> Optional[Any]:
         """A jitted call's body (`.scope`, its `.outvars`) to read in place, or None (another
