@@ -74,8 +74,9 @@ def _to_bnts(x, roles_order, full_sizes, xp=jnp):
 
 
 def _masks(attn: Attn, roles_order, full_sizes):
-    """(mask array or None, causal, window or None): constant masks that are lower-triangular become the causal
-    mask type, constant all-True ones vanish; the rest are combined into one boolean array.
+    """(mask array or None, causal, window or None): constant masks that are lower-triangular
+    become the causal mask type (with a window where they are a band), constant all-True ones
+    vanish; the rest are combined into one boolean array.
 
     Where the masks and biases hide at least what a causal mask hides, whatever the program's
     inputs (`Attn.hidden`: Hugging Face's causal mask and the attention mask it is given, made
