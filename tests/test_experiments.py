@@ -158,3 +158,16 @@ def test_gpu_suite_dry_run_writes_each_row_and_the_kernel_table(tmp_path):
     assert "jamp.wrap mixed_bfloat16 + make_train_step" in table and "not a measurement" in table
     kernels = (tmp_path / "gpu_suite_kernels.md").read_text()
     assert kernels.count("\n|") >= 10  # header and the costliest kernels
+
+
+@pytest.mark.gpu_compile
+def test_long_attention_quick_mode_runs_causal_and_windowed_masks_as_cudnn_does(tmp_path):
+    import long_attention
+
+    out = tmp_path / "long_attention.md"
+    long_attention.main(["--quick", "--out", str(out)])
+    rows = [
+        line for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line
+    ]
+    assert [row.split(" | ")[1] for row in rows[1:]] == ["causal", "causal, window 1025"]
+    assert "not a measurement" in out.read_text() and "not a measured peak" in out.read_text()
