@@ -11,7 +11,7 @@ import numpy as np
 
 from jamp import jax_compat
 from jamp.engine import _attention_forms as F
-from jamp.engine._attention_scope import Scope
+from jamp.engine._attention_scope import Scope, of_constant
 
 #: A fill at or below this is a mask (its exponential is 0 in float32 beside any real logit).
 _MASKED = -1e4
@@ -133,12 +133,19 @@ def _regroup(sym: Sym, shape) -> Optional[tuple]:
     return tuple(groups) if at == len(atoms) else None
 
 
-def _concrete_of(x, atom, scope: Optional[Scope]):
+def _side(x, atom, scope: Optional[Scope], reading: str) -> Any:
+    """Side value `x` (of variable `atom`) as a `Scope` reads it (`concrete`, `partial`,
+    `symbolic`, `values`): a lazy broadcast's source as its own scope reads it, a constant array
+    by its value; None where no scope reads it."""
     if isinstance(x, Sym) and x.kind == "bcast":
-        return None if x.scope is None else x.scope.concrete(x.atom)
-    if isinstance(x, (np.ndarray, np.generic, int, float, bool)):
-        return np.asarray(x)
-    return None if scope is None or atom is None else scope.concrete(atom)
+        scope, atom = x.scope, x.atom
+    elif isinstance(x, (np.ndarray, np.generic, int, float, bool)):
+        return of_constant(reading, np.asarray(x), np.shape(x))
+    return None if scope is None or atom is None else getattr(scope, reading)(atom)
+
+
+def _concrete_of(x, atom, scope: Optional[Scope]):
+    return _side(x, atom, scope, "concrete")
 
 
 def _scalar(x, atom, scope) -> Optional[Any]:
@@ -170,11 +177,7 @@ def _concrete_in_layout(x, atom, scope, sym: Sym) -> Optional[np.ndarray]:
 
 def _few_values(x, atom, scope: Optional[Scope]) -> Optional[np.ndarray]:
     """The few values side value `x` can take whatever the inputs are (`Scope.values`)."""
-    if isinstance(x, Sym) and x.kind == "bcast":
-        return None if x.scope is None else x.scope.values(x.atom)
-    if isinstance(x, (np.ndarray, np.generic, int, float, bool)):
-        return np.unique(np.asarray(x))
-    return None if scope is None or atom is None else scope.values(atom)
+    return _side(x, atom, scope, "values")
 
 
 def _mask_values(values: np.ndarray) -> bool:
@@ -185,12 +188,7 @@ def _mask_values(values: np.ndarray) -> bool:
 
 def _form_of(x, atom, scope: Optional[Scope]) -> Any:
     """The form of side value `x` (`Scope.symbolic`) where it is a `Split`, else None."""
-    if isinstance(x, Sym) and x.kind == "bcast":
-        form = None if x.scope is None else x.scope.symbolic(x.atom)
-    elif scope is None or atom is None or isinstance(x, (np.ndarray, np.generic, int, float)):
-        form = None
-    else:
-        form = scope.symbolic(atom)
+    form = _side(x, atom, scope, "symbolic")
     return form if isinstance(form, F.Split) else None
 
 
@@ -231,12 +229,7 @@ def _surely(x, atom, scope, sym: Sym, where) -> Any:
     """Where `where(values)` holds of side value `x` whatever the program's inputs are (see
     `Scope.partial`), in the first matmul's output layout (bools, or a `Split` of them where
     only its form is known); None where nowhere."""
-    if isinstance(x, Sym) and x.kind == "bcast":
-        part = None if x.scope is None else x.scope.partial(x.atom)
-    elif isinstance(x, (np.ndarray, np.generic, int, float, bool)):
-        part = np.asarray(x), np.ones((1,) * np.ndim(x), bool)
-    else:
-        part = None if scope is None or atom is None else scope.partial(atom)
+    part = _side(x, atom, scope, "partial")
     if part is None:
         form = _form_of(x, atom, scope)
         if form is None:

@@ -116,9 +116,8 @@ class Scope:
         self.parent = parent[0] if parent else None
         self.made_by = {o: e for e in jaxpr.eqns for o in e.outvars}
         self.memo: dict[Any, Optional[np.ndarray]] = {}
-        self.partial_memo: dict[Any, Optional[tuple[np.ndarray, np.ndarray]]] = {}
-        self.form_memo: dict[Any, Any] = {}
-        self.values_memo: dict[Any, Optional[np.ndarray]] = {}
+        # per reading of variables other than constants ("partial", "symbolic", "values")
+        self.readings: dict[str, dict[Any, Any]] = {"partial": {}, "symbolic": {}, "values": {}}
 
     def concrete(self, atom) -> Optional[np.ndarray]:
         """The value of `atom` if it is computed from constants alone, else None; compressed (it
@@ -173,32 +172,42 @@ class Scope:
 
         E.g. Hugging Face's attention bias `select(and(ne(attention_mask, 0), causal) > 0, 0,
         min)`, with the attention mask an input: `min` above the diagonal whatever the mask."""
+        return self._read("partial", atom, None)
+
+    def _read(self, reading: str, atom, unknown) -> Any:
+        """One reading of `atom` (`partial`, `symbolic`, `values`), memoised: a constant's from
+        its value (`of_constant`), a sub-program input's as the enclosing scope reads it, a
+        computed variable's by `_<reading>` on its equation; `unknown` where none is (also
+        while `atom` is being read: a cycle cannot occur, and this bounds the work)."""
+        shape = atom.aval.shape
+        if isinstance(atom, jcore.Literal):
+            return of_constant(reading, np.asarray(atom.val), shape)
+        memo = self.readings[reading]
+        if atom in memo:
+            return memo[atom]
+        memo[atom] = unknown
         c = self.concrete(atom)
+        value = unknown
         if c is not None:
-            return c, np.ones((1,) * np.ndim(c), bool)
-        if atom in self.partial_memo:
-            return self.partial_memo[atom]
-        self.partial_memo[atom] = None
-        value = None
-        if atom in self.inputs and self.parent is not None:
-            value = self.parent.partial(self.inputs[atom])
+            value = of_constant(reading, c, shape)
+        elif atom in self.inputs and self.parent is not None:
+            value = getattr(self.parent, reading)(self.inputs[atom])
         elif atom in self.made_by:
+            eqn = self.made_by[atom]
             try:
-                value = self._partial(self.made_by[atom], atom)
+                body = None if eqn.effects else self._body(eqn)
+                if body is not None:  # a jitted call: its body, read in place
+                    for o, v in zip(eqn.outvars, body.outvars):
+                        memo[o] = getattr(body.scope, reading)(v)
+                    return memo[atom]
+                value = unknown if eqn.effects else getattr(self, "_" + reading)(eqn, atom)
             except Exception:  # anything that cannot run eagerly is simply not known
-                value = None
-        self.partial_memo[atom] = value
+                value = unknown
+        memo[atom] = value
         return value
 
     def _partial(self, eqn, atom) -> Optional[tuple[np.ndarray, np.ndarray]]:
         name = eqn.primitive.name
-        if eqn.effects:
-            return None
-        body = self._body(eqn)
-        if body is not None:
-            for o, v in zip(eqn.outvars, body.outvars):
-                self.partial_memo[o] = body.scope.partial(v)
-            return self.partial_memo[atom]
         if len(eqn.outvars) != 1 or name not in _ELEMENTWISE | _LAYOUT:
             return None
         parts = []
@@ -239,35 +248,10 @@ class Scope:
     def symbolic(self, atom) -> Any:
         """The form of `atom` (`jamp.engine._attention_forms`): a 0-d array, `UNKNOWN`, an
         index expression (`Affine`) or a `Split` of an index predicate, at any size."""
-        if isinstance(atom, jcore.Literal):
-            return np.asarray(atom.val).reshape(())
-        if atom in self.form_memo:
-            return self.form_memo[atom]
-        self.form_memo[atom] = F.UNKNOWN
-        c = self.concrete(atom)
-        if c is not None:
-            value = F.from_array(c, atom.aval.shape)
-        elif atom in self.inputs and self.parent is not None:
-            value = self.parent.symbolic(self.inputs[atom])
-        elif atom in self.made_by:
-            try:
-                value = self._symbolic(self.made_by[atom], atom)
-            except Exception:  # anything that cannot run eagerly is simply not known
-                value = F.UNKNOWN
-        else:
-            value = F.UNKNOWN
-        self.form_memo[atom] = value
-        return value
+        return self._read("symbolic", atom, F.UNKNOWN)
 
     def _symbolic(self, eqn, atom) -> Any:
         name = eqn.primitive.name
-        if eqn.effects:
-            return F.UNKNOWN
-        body = self._body(eqn)
-        if body is not None:
-            for o, v in zip(eqn.outvars, body.outvars):
-                self.form_memo[o] = body.scope.symbolic(v)
-            return self.form_memo[atom]
         out_shape = tuple(atom.aval.shape)
         if name == "iota":
             rank, dim = len(out_shape), jax_compat.param(eqn, "dimension")
@@ -335,38 +319,15 @@ class Scope:
         """The values `atom` can take whatever the program's inputs are, where they are few (at
         most `_FEW`; a superset, sorted, 1-d), else None. E.g. Hugging Face's attention bias
         `select(mask > 0, 0, min)` of a mask of data: [min, 0]."""
-        if isinstance(atom, jcore.Literal):
-            return np.unique(np.asarray(atom.val))
-        if atom in self.values_memo:
-            return self.values_memo[atom]
-        self.values_memo[atom] = None
-        c = self.concrete(atom)
-        value = None
-        if c is not None:
-            value = np.unique(c)
-        elif atom in self.inputs and self.parent is not None:
-            value = self.parent.values(self.inputs[atom])
-        elif atom in self.made_by:
-            try:
-                value = self._values(self.made_by[atom], atom)
-            except Exception:  # anything that cannot run eagerly is simply not known
-                value = None
-        if value is not None and value.size > _FEW:
-            value = None
-        self.values_memo[atom] = value
-        return value
+        return self._read("values", atom, None)
 
     def _values(self, eqn, atom) -> Optional[np.ndarray]:
         name = eqn.primitive.name
-        if eqn.effects or len(eqn.outvars) != 1:
+        if len(eqn.outvars) != 1:
             return None
-        body = self._body(eqn)
-        if body is not None:
-            (inner,) = [v for o, v in zip(eqn.outvars, body.outvars) if o is atom]
-            return body.scope.values(inner)
         if name == "select_n":  # whichever case the predicate picks
             cases = [self.values(v) for v in eqn.invars[1:]]
-            return None if any(c is None for c in cases) else np.unique(np.concatenate(cases))
+            return None if any(c is None for c in cases) else _few(np.unique(np.concatenate(cases)))
         if _layout_only(name):
             return self.values(eqn.invars[0])
         if name not in _ELEMENTWISE:
@@ -376,7 +337,7 @@ class Scope:
         if len(ins) != len(found) or np.prod([x.size for x in ins]) > _FEW**2:
             return None
         grids = np.meshgrid(*ins, indexing="ij")  # every combination of the operands' values
-        return np.unique(self._bind(eqn, [g.reshape(-1) for g in grids])[0])
+        return _few(np.unique(self._bind(eqn, [g.reshape(-1) for g in grids])[0]))
 
     def _body(self, eqn) -> Optional[Any]:
         """A jitted call's body (`.scope`, its `.outvars`) to read in place, or None (another
@@ -432,6 +393,23 @@ class Scope:
             it = iter(kept)
             return [np.reshape(x, [next(it) if n != 1 else 1 for n in out_shape])]
         return None
+
+
+def of_constant(reading: str, c: np.ndarray, shape) -> Any:
+    """What a reading of `Scope` (`concrete`, `partial`, `symbolic`, `values`) says of a constant
+    `c` (compressed or whole: it broadcasts to `shape`)."""
+    if reading == "concrete":
+        return c
+    if reading == "partial":
+        return c, np.ones((1,) * np.ndim(c), bool)
+    if reading == "symbolic":
+        return F.from_array(c, shape)
+    return _few(np.unique(c))
+
+
+def _few(values: Optional[np.ndarray]) -> Optional[np.ndarray]:
+    """`values` where they are few (at most `_FEW`), else None."""
+    return None if values is None or values.size > _FEW else values
 
 
 def _layout_only(name: str) -> bool:
