@@ -194,8 +194,8 @@ def saturated(
     saturation: Mapping[str, Any], modules: Sequence[str], limit: float = SATURATION_LIMIT
 ) -> tuple[str, ...]:
     """The modules whose fp8 sites were clipped past `limit` on one step (`saturation`: the
-    step's `{site: ratio}`, `jamp.fp8.saturation`); a non-finite ratio is an overflow, which
-    `blame` handles."""
+    step's `{site: ratios}`, one per operand, `jamp.fp8.saturation`; a scalar per site is read
+    the same); a non-finite ratio is an overflow, which `blame` handles."""
     out = []
     for site, ratio in saturation.items():
         ratio = np.asarray(ratio, np.float64)

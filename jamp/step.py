@@ -11,7 +11,8 @@ follows one order (see DESIGN.md, "The mixed-precision step, written once"):
   6. check finiteness, clip the unscaled gradients, run the optax update on the params' float32
      view and round the result to their dtypes (stochastically for bfloat16 params);
   7. keep the old params, optimizer state and model state if the gradients were not finite (and
-     the fp8 scaling state, which otherwise takes this step's amaxes, max-reduced in 3 and 4);
+     the fp8 scaling state, which otherwise takes this step's amaxes, max-reduced in 3 and 4), or
+     if a fresh delayed fp8 state only measured on this step (`jamp.fp8.measuring`);
   8. adjust the loss scale and count the step.
 
 Nothing here jits or pmaps: callers wrap the step in `jax.jit`, or use `jamp.parallel`.
@@ -34,8 +35,9 @@ from jamp.grad_stats import grad_stats
 from jamp.loss_scale import NoOpLossScale, select_tree
 from jamp.state import TrainState, float32_view
 
-#: The step metric `{fp8 site: how far past fmax its amax went}` (`jamp.fp8.saturation`), with
-#: an fp8 state: where delayed scaling clipped values, for adaptive precision.
+#: The step metric `{fp8 site: f32[3], how far past fmax the amaxes of x, w and g went}`
+#: (`jamp.fp8.saturation`), with an fp8 state: where delayed scaling clipped values, for
+#: adaptive precision.
 FP8_SATURATION = "fp8_saturation"
 # Folded into the step's key for the params' stochastic rounding: a stream apart from dropout's,
 # the same on every replica (the replica index is folded into dropout's alone).
@@ -258,13 +260,14 @@ def make_train_step(
       `train_step(state, batch, rng) -> (new_state, metrics)`, where `rng` is one base key for the
       whole run (the step folds in the step number and replica index) and `metrics` holds "loss"
       (unscaled, fp32), "grad_norm" (of the unscaled gradients, before clipping), "loss_scale"
-      (after adjusting), "grads_finite" (bool), "skipped_steps" (int32),
+      (after adjusting), "grads_finite" (bool), "skipped_steps" (int32: steps not applied, for
+      an overflow or as a fresh fp8 state's measuring step),
       "grads_finite_by_module" (`{module path: bool}`, the averaged gradients' finiteness per
       group of params: on a skipped step, the modules that overflowed) and the loss_fn metrics
       (fp32, averaged over microbatches and replicas; the names above win on a clash); with an
       fp8 state, "fp8" (`{site: {"x_amax", "x_scale", "w_amax", ..., "g_scale"}}`, after the
-      update) and "fp8_saturation" (`{site: ratio}`, every site: how far past its format's
-      largest value this step's amax went under the scales it was quantised with,
+      update) and "fp8_saturation" (`{site: f32[3]}`, every site: for x, w and g, how far past
+      its format's largest value this step's amax went under the scale it was quantised with,
       `jamp.fp8.saturation`; above 1, values were clipped).
 
     Example:
@@ -343,16 +346,19 @@ def make_train_step(
         # A skipped step leaves everything but the loss scale and the counters bit-identical,
         # batch statistics included (a nan in them would otherwise poison every later step).
         saturation = None
+        applied = finite
         if observed is not None:
             saturation = fp8.saturation(f8, observed)
-            f8 = fp8.update(f8, observed)
-        params, opt_state, model_state, f8 = select_tree(
-            finite,
-            (params, opt_state, model_state, f8),
-            (state.params, state.opt_state, state.model_state, state.fp8_state),
+            # A fresh delayed state's first step only measures: its scales fit no tensor yet.
+            applied = finite & jnp.logical_not(fp8.measuring(f8))
+            f8 = select_tree(finite, fp8.update(f8, observed), f8)
+        params, opt_state, model_state = select_tree(
+            applied,
+            (params, opt_state, model_state),
+            (state.params, state.opt_state, state.model_state),
         )
         new_loss_scale = loss_scale.adjust(finite)  # back off on overflow, grow when stable
-        skipped_steps = state.skipped_steps + jnp.logical_not(finite).astype(jnp.int32)
+        skipped_steps = state.skipped_steps + jnp.logical_not(applied).astype(jnp.int32)
         new_state = state.replace(
             step=state.step + 1,  # counts skipped steps too: schedules and rngs move on
             params=params,

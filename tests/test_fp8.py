@@ -14,6 +14,7 @@ import pytest
 import jamp
 from jamp import fp8
 from jamp.models.transformer import TransformerLM
+from jamp.step import FP8_SATURATION
 
 # ----- the formats, from their definitions (OCP 8-bit floating point, v1.0)
 
@@ -494,6 +495,33 @@ def test_train_step_updates_the_delayed_state_and_reports_sites(lm_setup, names)
         assert float(other.scale[0]) == float(q.scale[0])
 
 
+def test_a_fresh_delayed_state_measures_on_its_first_step_and_skips_it(lm_setup, names):
+    """Its scales are 1, fitted to no tensor: the first step records the amaxes and changes
+    nothing else, like an overflow; the second quantises with scales from them, and applies."""
+    model, params = lm_setup
+    step = jax.jit(jamp.make_train_step(_loss_fn(model), optax.adam(1e-3)))
+    fresh = _state(model, params)
+    assert bool(fp8.measuring(fresh.fp8_state))
+    assert not bool(fp8.measuring(_state(model, params, "current").fp8_state))
+    first, metrics = step(fresh, _tokens(0), jax.random.key(1))
+    assert bool(metrics["grads_finite"]) and int(metrics["skipped_steps"]) == 1
+    for a, b in zip(
+        jax.tree.leaves((fresh.params, fresh.opt_state)),
+        jax.tree.leaves((first.params, first.opt_state)),
+    ):
+        np.testing.assert_array_equal(a, b)
+    site = first.fp8_state.sites[names["mlp"]]
+    assert np.all(site.amax_history[:, 0] > 0) and not np.any(site.amax_history[:, 1:])
+    np.testing.assert_allclose(site.scale, fp8._FMAX / site.amax_history[:, 0], rtol=1e-6)
+    assert not bool(fp8.measuring(first.fp8_state))
+    assert all(np.array_equal(r, np.zeros(3)) for r in metrics[FP8_SATURATION].values())
+    second, metrics = step(first, _tokens(1), jax.random.key(1))
+    assert int(metrics["skipped_steps"]) == 1 and int(second.step) == 2
+    assert not np.array_equal(
+        _at(second.params, names["kernel"]), _at(first.params, names["kernel"])
+    )
+
+
 def test_delayed_scaling_differs_from_current_and_uses_the_state(lm_setup, names):
     model, params = lm_setup
     step = jax.jit(jamp.make_train_step(_loss_fn(model), optax.adam(1e-3)))
@@ -542,8 +570,7 @@ def test_microbatches_record_the_largest_activation_amax_of_the_batch(lm_setup):
     loss_fn = _loss_fn(model)
     tokens = _tokens(0, batch=16)
     one = jax.jit(jamp.make_train_step(loss_fn, optax.adam(1e-3)))
-    # One step first, so that both quantise with the state's scales (a site's first step scales
-    # by its own amax: the microbatch's, which changes what the later layers see).
+    # One step first (a fresh state's measuring step), so that both quantise with its scales.
     start, _ = one(_state(model, params), _tokens(1, batch=16), jax.random.key(1))
     whole, _ = one(start, tokens, jax.random.key(1))
     micro, _ = jax.jit(jamp.make_train_step(loss_fn, optax.adam(1e-3), accumulation_steps=2))(
@@ -573,9 +600,9 @@ def test_eval_step_reads_the_delayed_scales(lm_setup):
 
 # ----- replicas and shards agree on the state
 #
-# From one state that already has a history (so every site quantises with the state's scales,
-# not with its first step's own amax: under pmap that would be each replica's local amax), one
-# step on a batch of 16: single device, pmap over 8 replicas, and the sharded step on a 2x4 mesh.
+# From one state that already has a history (past its measuring step, so that the step below
+# applies its update), one step on a batch of 16: single device, pmap over 8 replicas, and the
+# sharded step on a 2x4 mesh.
 
 
 @pytest.fixture(scope="module")
