@@ -234,6 +234,8 @@ class _Scope:
     reached: set = dataclasses.field(default_factory=set)
     # id(activation) -> (the activation, its amax, its scale); see `_x_scale`.
     first_reader: dict = dataclasses.field(default_factory=dict)
+    # A delayed row with no amax recorded yet is scaled by the tensor's own (see `scaling`).
+    own_when_unmeasured: bool = False
 
     def check_reached(self) -> None:
         """Raises ValueError when the loss traced in this scope left some of the state's sites
@@ -262,13 +264,18 @@ _ACTIVE: contextvars.ContextVar[Optional[_Scope]] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def scaling(state: Optional[Fp8State]):
+def scaling(state: Optional[Fp8State], own_when_unmeasured: bool = False):
     """While a function is traced in this context, its fp8 matmuls read their scales from `state`
     (delayed recipe) and report this step's amaxes through the derivative with respect to it.
 
+    With `own_when_unmeasured`, a delayed site's operand with no amax recorded yet is scaled by
+    its own amax: for an evaluation, which nothing measures (a train step instead skips a fresh
+    state's first step, `measuring`, and so keeps every reduction from standing before a
+    quantisation).
+
     Yields the scope; its `check_reached()` says whether the traced function reached every site.
     """
-    scope = _Scope(state, None)
+    scope = _Scope(state, None, own_when_unmeasured=own_when_unmeasured)
     token = _ACTIVE.set(scope)
     try:
         yield scope
@@ -435,23 +442,31 @@ def _grad_to(d, like_dtype, placed: Optional[mixed_ops.Placed]):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
-def _f8_dot(lhs, rhs, site, ax, sx, dims, out_dtype, delayed, margin, placed, keep):
-    return _f8_fwd(lhs, rhs, site, ax, sx, dims, out_dtype, delayed, margin, placed, keep)[0]
+def _f8_dot(lhs, rhs, site, ax, sx, dims, out_dtype, mode, margin, placed, keep):
+    return _f8_fwd(lhs, rhs, site, ax, sx, dims, out_dtype, mode, margin, placed, keep)[0]
 
 
-def _scale(site: Site, row: int, amax, delayed: bool, margin: float):
-    """The scale of one operand: the state's (delayed), else the tensor's own (current).
+#: How an fp8 matmul scales its operands: the tensor's own amax; the state's scale; the state's
+#: scale where that operand has a recorded amax, else its own (`scaling(own_when_unmeasured)`).
+_CURRENT, _DELAYED, _DELAYED_OR_OWN = "current", "delayed", "delayed_or_own"
+
+
+def _scale(site: Site, row: int, amax, mode: str, margin: float):
+    """The scale of one operand, by `mode` (`_CURRENT`, `_DELAYED`, `_DELAYED_OR_OWN`).
 
     Delayed, nothing of this step's amax reaches the quantisation, so XLA computes the amax
     recorded for the next step in the kernel that quantises (one pass over the tensor); a
-    fallback to the tensor's own amax, even behind a `lax.cond`, became a select that waits for
+    fallback to the tensor's own amax, even behind a `lax.cond`, becomes a select that waits for
     the full reduction (four kernels per operand instead of two on the H200 program)."""
-    if delayed:
+    if mode == _DELAYED:
         return site.scale[row]
-    return scale_for(amax(), _FMAX[row], margin)
+    own = scale_for(amax(), _FMAX[row], margin)
+    if mode == _CURRENT:
+        return own
+    return jnp.where(_max_last(site.amax_history[row]) > 0, site.scale[row], own)
 
 
-def _x_scale(scope: Optional[_Scope], lhs, entry: Site, shared: bool, delayed, margin):
+def _x_scale(scope: Optional[_Scope], lhs, entry: Site, shared: bool, mode, margin):
     """The activation's amax and scale, outside the matmul's derivative (both are constants to
     it): once per activation in a trace when `shared`, for every site that reads it.
 
@@ -468,16 +483,16 @@ def _x_scale(scope: Optional[_Scope], lhs, entry: Site, shared: bool, delayed, m
             return held[1:]
     x = lax.stop_gradient(lhs)
     ax = _amax(x)
-    sx = _scale(jax.tree.map(lax.stop_gradient, entry), 0, lambda: _amax(x), delayed, margin)
+    sx = _scale(jax.tree.map(lax.stop_gradient, entry), 0, lambda: _amax(x), mode, margin)
     if shared:
         assert scope is not None
         scope.first_reader[id(lhs)] = (lhs, ax, sx)
     return ax, sx
 
 
-def _f8_fwd(lhs, rhs, site, ax, sx, dims, out_dtype, delayed, margin, placed, keep):
+def _f8_fwd(lhs, rhs, site, ax, sx, dims, out_dtype, mode, margin, placed, keep):
     aw = _amax(rhs)
-    sw = _scale(site, 1, lambda: _amax(rhs), delayed, margin)
+    sw = _scale(site, 1, lambda: _amax(rhs), mode, margin)
     xq = _placed(quantize(lhs, sx, E4M3), placed[0])
     wq = _placed(quantize(rhs, sw, E4M3), placed[1])
     out = (_dot(xq, wq, dims) * (1.0 / (sx * sw))).astype(out_dtype)
@@ -486,7 +501,7 @@ def _f8_fwd(lhs, rhs, site, ax, sx, dims, out_dtype, delayed, margin, placed, ke
     return out, (lhs if keep else xq, wq, sx, sw, ax, aw, site, like)
 
 
-def _f8_bwd(dims, out_dtype, delayed, margin, placed, keep, residuals, g):
+def _f8_bwd(dims, out_dtype, mode, margin, placed, keep, residuals, g):
     del out_dtype
     xq, wq, sx, sw, ax, aw, site, (lhs_like, rhs_like) = residuals
     if keep:
@@ -498,7 +513,7 @@ def _f8_bwd(dims, out_dtype, delayed, margin, placed, keep, residuals, g):
         x, g = lax.optimization_barrier((xq, g))
         xq = quantize(x, sx, E4M3)
     ag = _amax(g)
-    sg = _scale(site, 2, lambda: _amax(g), delayed, margin)
+    sg = _scale(site, 2, lambda: _amax(g), mode, margin)
     gq = quantize(g, sg, E5M2)
     (l_dims, l_perm), (r_dims, r_perm) = mixed_ops.backward_dims(dims, xq.ndim, wq.ndim, g.ndim)
     d_lhs = lax.transpose(_dot(gq, wq, l_dims) * (1.0 / (sg * sw)), l_perm)
@@ -557,11 +572,13 @@ def dot_general(
     if state is not None and site in state.sites:
         assert scope is not None  # the state is the scope's
         scope.reached.add(site)
-        delayed, margin, entry = state.recipe == "delayed", state.margin, state.sites[site]
+        mode, margin, entry = _CURRENT, state.margin, state.sites[site]
+        if state.recipe == "delayed":
+            mode = _DELAYED_OR_OWN if scope.own_when_unmeasured else _DELAYED
         shared = True
     else:
-        delayed, margin, entry = False, 0.0 if state is None else state.margin, _new_site(1)
-    ax, sx = _x_scale(scope, lhs, entry, shared, delayed, float(margin))
+        mode, margin, entry = _CURRENT, 0.0 if state is None else state.margin, _new_site(1)
+    ax, sx = _x_scale(scope, lhs, entry, shared, mode, float(margin))
     keep = bool(keep_lhs) and placed[0] is None and np.dtype(lhs.dtype).itemsize == 2
     return _f8_dot(
         lhs,
@@ -571,7 +588,7 @@ def dot_general(
         sx,
         dims,
         np.dtype(out_dtype),
-        delayed,
+        mode,
         float(margin),
         tuple(placed),
         keep,

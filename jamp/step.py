@@ -411,8 +411,9 @@ def make_eval_step(
     """
 
     def eval_step(state: TrainState, batch: PyTree) -> dict[str, jax.Array]:
-        # delayed fp8 scales, as the train step has them (a duck-typed state may have none)
-        with fp8.scaling(getattr(state, "fp8_state", None)):
+        # delayed fp8 scales, as the train step has them (a duck-typed state may have none); a
+        # fresh state's unmeasured operands by their own amax, since nothing here measures
+        with fp8.scaling(getattr(state, "fp8_state", None), own_when_unmeasured=True):
             metrics = _metrics_fp32(eval_fn(state.params, state.model_state, batch))
         if axis_name is not None:  # equal shards: the mean of shard means is the batch mean
             metrics = lax.pmean(metrics, axis_name)

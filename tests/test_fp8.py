@@ -596,6 +596,9 @@ def test_eval_step_reads_the_delayed_scales(lm_setup):
     # scales from batch 0 against batch 5's own amaxes
     a, b = float(ev(trained, _tokens(5))["loss"]), float(ev(stateless, _tokens(5))["loss"])
     assert a != b and abs(a - b) < 0.05 * abs(b)  # other scales, same model
+    # A fresh state has measured nothing: its eval scales each operand by its own amax, as the
+    # stateless (current) scaling does, not by its initial scales of 1.
+    assert float(ev(fresh, _tokens(5))["loss"]) == b
 
 
 # ----- replicas and shards agree on the state
