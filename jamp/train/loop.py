@@ -543,7 +543,9 @@ def _savable(host_state, adapt):
 def _fp8_summary(run, state) -> str:
     recipe, history, margin = run.fp8
     sites = len(state.fp8_state.sites) if fp8.uses_state(state.fp8_state) else 0
-    how = f"delayed (amax history {history})" if recipe == "delayed" else "current"
+    how = "current"
+    if recipe == "delayed":  # the skipped step the summary counts: say what it was
+        how = f"delayed (amax history {history}), the first step only measures (skipped)"
     return (
         f"{how}, margin {margin:g}, {sites} fp8 matmuls; output head, embedding and "
         "convolutions bf16"
