@@ -264,48 +264,8 @@ def test_position_embedding_gradient_keeps_activations_batch_major_at_batch_32(s
     assert not re.findall(r"(?:bf16|f16)\[[0-9,]*\]\{[0-9,]*\} reduce\(", report.hlo_text)
 
 
-@pytest.mark.gpu_compile
-def test_fp8_scaling_state_is_read_without_reduction_kernels():
-    """Delayed scaling reads each site's amax history (does it have one, its maximum) and its
-    three rows (the saturation metric). As reductions these were kernels of their own, a few per
-    site: ~500 of GPT-2 small's fp8 step on the H200 program (2311 -> 1795 kernels); as
-    elementwise maxima XLA fuses them into the kernels that use them."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    import jamp
-    from jamp.models import TransformerLM
-
-    model = jamp.wrap(
-        TransformerLM(256, num_layers=1, d_model=64, num_heads=4, mlp_dim=128, max_len=32),
-        "mixed_fp8",
-    )
-    tokens = jax.ShapeDtypeStruct((4, 33), jnp.int32)
-    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((4, 32), jnp.int32)))
-
-    def loss_fn(p, model_state, batch, rng):
-        logits = model.apply({"params": p}, batch[:, :-1])
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-        return loss, (model_state, {})
-
-    history = 7  # a length no other array of this program has
-    fp8_state = jamp.fp8.init_state(loss_fn, params["params"], {}, tokens, None, history=history)
-    tx = optax.adamw(1e-3)
-    state = jax.eval_shape(
-        lambda p: jamp.TrainState.create(p, tx, fp8_state=fp8_state), params["params"]
-    )
-    step = jamp.make_train_step(loss_fn, tx)
-    rng = jax.eval_shape(lambda: jax.random.key(0))
-    report = target_lib.compile_for(step, state, tokens, rng, target="h200")
-    program = hlo.parse(report.hlo_text)
-    reduced = [program.operand_arrays(i)[0][1] for i in program.instructions if i.op == "reduce"]
-    small = [shape for shape in reduced if shape[-1:] in ((history,), (3,))]
-    assert reduced and len(fp8_state.sites) == 6 and not small, small
-
-
-def _toy_lm_step_kernels(policy: str, layers: int = 2) -> tuple[int, int]:
-    """(kernels, fp8 sites) of a small TransformerLM's donated train step on the H200 program."""
+def _toy_lm_step(policy: str, layers: int = 2, history: int = 16, donate: bool = True):
+    """(the H200 program's report, the fp8 state or None) of a small TransformerLM's step."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -325,16 +285,36 @@ def _toy_lm_step_kernels(policy: str, layers: int = 2) -> tuple[int, int]:
 
     fp8_state = None
     if policy == "mixed_fp8":
-        fp8_state = jamp.fp8.init_state(loss_fn, params["params"], {}, tokens, None, history=16)
+        fp8_state = jamp.fp8.init_state(
+            loss_fn, params["params"], {}, tokens, None, history=history
+        )
     tx = optax.adamw(1e-3)
     state = jax.eval_shape(
         lambda p: jamp.TrainState.create(p, tx, fp8_state=fp8_state), params["params"]
     )
-    step = jax.jit(jamp.make_train_step(loss_fn, tx), donate_argnums=(0,))
+    step = jamp.make_train_step(loss_fn, tx)
+    if donate:
+        step = jax.jit(step, donate_argnums=(0,))
     rng = jax.eval_shape(lambda: jax.random.key(0))
-    report = target_lib.compile_for(step, state, tokens, rng, target="h200")
-    count = sum(k.count for k in kernels(hlo.parse(report.hlo_text)))
-    return count, 0 if fp8_state is None else len(fp8_state.sites)
+    return target_lib.compile_for(step, state, tokens, rng, target="h200"), fp8_state
+
+
+def _kernel_count(report) -> int:
+    return sum(k.count for k in kernels(hlo.parse(report.hlo_text)))
+
+
+@pytest.mark.gpu_compile
+def test_fp8_scaling_state_is_read_without_reduction_kernels():
+    """Delayed scaling reads each site's amax history (its maximum; for an eval, whether it has
+    one) and its three rows (the saturation metric). As reductions these were kernels of their own, a few per
+    site: ~500 of GPT-2 small's fp8 step on the H200 program (2311 -> 1795 kernels); as
+    elementwise maxima XLA fuses them into the kernels that use them."""
+    history = 7  # a length no other array of this program has
+    report, fp8_state = _toy_lm_step("mixed_fp8", layers=1, history=history, donate=False)
+    program = hlo.parse(report.hlo_text)
+    reduced = [program.operand_arrays(i)[0][1] for i in program.instructions if i.op == "reduce"]
+    small = [shape for shape in reduced if shape[-1:] in ((history,), (3,))]
+    assert reduced and len(fp8_state.sites) == 6 and not small, small
 
 
 @pytest.mark.gpu_compile
@@ -346,8 +326,9 @@ def test_delayed_fp8_quantises_in_the_kernels_that_record_the_amax():
     three amaxes and rolling its history by concatenation made kernels per site: 140 kernels
     over bfloat16's step for 12 sites here (GPT-2 small: 1795 against 875), 47 now (GPT-2
     small: 1291)."""
-    bf16, _ = _toy_lm_step_kernels("mixed_bfloat16")
-    fp8_kernels, sites = _toy_lm_step_kernels("mixed_fp8")
+    bf16 = _kernel_count(_toy_lm_step("mixed_bfloat16")[0])
+    report, fp8_state = _toy_lm_step("mixed_fp8")
+    fp8_kernels, sites = _kernel_count(report), len(fp8_state.sites)
     assert sites == 12 and fp8_kernels - bf16 <= 4.5 * sites, (fp8_kernels, bf16)
 
 
