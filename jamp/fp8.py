@@ -416,11 +416,11 @@ def _observed_site(site: Site, amaxes) -> Site:
 
     Placed by selects over the array's indices, not stacked: a stack of the three is a
     concatenate, which XLA:GPU makes a kernel per site wherever it is read alone."""
-    shape = site.amax_history.shape
-    row, column = (lax.broadcasted_iota(jnp.int32, shape, axis) for axis in (0, 1))
+    row = lax.broadcasted_iota(jnp.int32, site.scale.shape, 0)
     ax, aw, ag = (jnp.asarray(a, _F32) for a in amaxes)
     newest = jnp.where(row == 0, ax, jnp.where(row == 1, aw, ag))
-    return Site(jnp.where(column == 0, newest, 0.0), jnp.zeros_like(site.scale))
+    history = _roll_in(jnp.zeros_like(site.amax_history), newest)
+    return Site(history, jnp.zeros_like(site.scale))
 
 
 def _placed(q, placed: Optional[mixed_ops.Placed]):
