@@ -193,6 +193,29 @@ def test_checkpointer_damaged_latest_falls_back(tmp_path, state, how, caplog):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]  # nothing deleted
 
 
+def test_checkpointer_names_the_array_it_cannot_read(tmp_path, caplog):
+    # Large arrays are stored apart from the index: damage their data and only reads fail, each
+    # wrapped by Orbax in "Encountered error while reading array index" and the whole
+    # TensorStore spec; the warning gives the cause, which names the array.
+    noise = np.random.default_rng(0).normal(size=(4, 256, 256))  # what zstd cannot shrink
+    params = {f"w{i}": jnp.asarray(w, jnp.float32) for i, w in enumerate(noise)}
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, TrainState.create(params, optax.sgd(0.1)))
+        ckpt.save(2, TrainState.create(params, optax.sgd(0.1)))
+    data = [f for f in (tmp_path / "2").rglob("d/*") if f.stat().st_size > 100_000]
+    assert data
+    for f in data:
+        raw = bytearray(f.read_bytes())
+        raw[: len(raw) // 2] = bytes(len(raw) // 2)
+        f.write_bytes(bytes(raw))
+    with Checkpointer(tmp_path) as ckpt, caplog.at_level(logging.WARNING, "jamp.train.checkpoint"):
+        restored = ckpt.restore(TrainState.create(params, optax.sgd(0.1)))
+    assert int(restored.step) == 0
+    warning = next(r.getMessage() for r in caplog.records if "step 2" in r.getMessage())
+    assert 'Error reading "params.w' in warning, warning
+    assert "TensorStore details" not in warning and "\n" not in warning
+
+
 def test_checkpointer_all_damaged_raises_one_line(tmp_path, state):
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(1, state)

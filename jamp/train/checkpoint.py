@@ -73,6 +73,10 @@ def _leaf_specs(tree: Any) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
 
 
 def _first_line(error: BaseException) -> str:
+    # Orbax wraps a failed read in "Encountered error while reading array index: <index>. See
+    # full TensorStore details: <the whole spec>"; its cause says which array and what is wrong.
+    while str(error).startswith("Encountered error while reading") and error.__cause__:
+        error = error.__cause__
     lines = str(error).strip().splitlines()
     text = lines[0] if lines else ""
     if len(text) > 200:  # tensorstore errors spell out the whole spec
