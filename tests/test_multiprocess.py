@@ -126,6 +126,9 @@ def _ended(procs) -> list[tuple[int, str, str]]:
         for proc in procs:
             proc.popen.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
+        for proc in procs:  # ended first: a running process writes at the file's shared offset
+            proc.popen.kill()
+            proc.popen.wait()
         tails = "".join(
             f"\n--- process {i}: {out[-1500:]}\n{err[-3000:]}"
             for i, (out, err) in enumerate(p.output() for p in procs)
