@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import sys
 from typing import Any, Callable, Optional
 
@@ -107,8 +108,14 @@ def _describe_mismatch(stored: dict, wanted: dict) -> str | None:
     return problems[0] + more
 
 
-# Orbax's own files: its read coroutines and tasks are recognised by where their code lives.
+# Orbax's own files: its read coroutines and tasks are recognised by where their code lives and
+# by their names (`_read_array_index_and_device_put`, `async_deserialize`): a save's are kept.
 _ORBAX_DIR = os.path.dirname(os.path.abspath(ocp.__file__))
+_READ_TASK = re.compile(r"coro=<(\w*(?:read|deserializ)\w*)\(\) .* at " + re.escape(_ORBAX_DIR))
+
+
+def _is_orbax_read(name: str, filename: str) -> bool:
+    return filename.startswith(_ORBAX_DIR) and ("read" in name or "deserializ" in name)
 
 
 def _ignore_stale_read_callbacks() -> None:
@@ -153,7 +160,7 @@ def _abandoned_orbax_read(unraisable: Any) -> bool:
     code = getattr(unraisable.object, "cr_code", None)
     return (
         code is not None
-        and code.co_filename.startswith(_ORBAX_DIR)
+        and _is_orbax_read(code.co_name, code.co_filename)
         and isinstance(getattr(unraisable.exc_value, "__cause__", None), GeneratorExit)
     )
 
@@ -173,7 +180,7 @@ def _drop_orphaned_read_errors(record: logging.LogRecord) -> bool:
     if first.endswith("exception was never retrieved"):
         return not (exc is not None and "tensorstore_spec=" in str(exc))
     if first == "Task was destroyed but it is pending!":
-        return _ORBAX_DIR not in message
+        return _READ_TASK.search(message) is None
     return True
 
 
