@@ -2,6 +2,7 @@
 the summary table and the memory probes."""
 
 import json
+import logging
 import math
 import struct
 
@@ -142,6 +143,16 @@ def test_metric_writer_tensorboard_scalars(tmp_path):
         ("eval/accuracy", 5): 0.5,
     }
     assert (tmp_path / "metrics.jsonl").exists()
+
+
+def test_metric_writer_writes_an_overflows_inf_to_tensorboard_quietly(tmp_path, caplog):
+    # A skipped step's gradient norm is inf on purpose; tensorboardX warned about each one.
+    with caplog.at_level(logging.WARNING), MetricWriter(tmp_path) as writer:
+        writer.write(5, {"grad_norm": np.float32(np.inf), "loss": np.float32(np.nan)})
+        writer.flush()
+    scalars = _scalars(tmp_path)
+    assert scalars[("train/grad_norm", 5)] == np.inf and np.isnan(scalars[("train/loss", 5)])
+    assert "NaN or Inf" not in caplog.text
 
 
 def test_metric_writer_events_carry_module_paths_to_jsonl_and_tensorboard(tmp_path):

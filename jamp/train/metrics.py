@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import resource
@@ -90,6 +91,10 @@ def _json_value(value: Any) -> Any:
     return str(value)  # dtypes, enums, paths and the like, as they print
 
 
+def _keep_nonfinite_quiet(record: logging.LogRecord) -> bool:
+    return record.getMessage() != "NaN or Inf found in input tensor."
+
+
 class MetricWriter:
     """Appends metric records to `workdir/metrics.jsonl` and to TensorBoard event files.
 
@@ -134,6 +139,9 @@ class MetricWriter:
             # tensorboardX names event files by the second and opens them with "wb": a run
             # resumed within the same second would wipe the previous run's events without a
             # suffix of its own. Its flush() does not wait for its writer thread; close() does.
+            # An overflow's inf is a value here (a skipped step's grad norm), not an accident:
+            # tensorboardX would print "NaN or Inf found in input tensor." for each.
+            logging.getLogger("tensorboardX.x2num").addFilter(_keep_nonfinite_quiet)
             self._tb = SummaryWriter(
                 str(self.workdir),
                 purge_step=purge_step,
