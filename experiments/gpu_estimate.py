@@ -5,7 +5,8 @@ small (batch 8 x 1024, AdamW): TF32 52.63 ms, HF's own bf16 build 27.21 ms, jamp
 mixed_bfloat16 + make_train_step 24.55 ms (jamp at 63141af). This script compiles those three
 programs for an H200 on this machine (no GPU), and fits the model's launch cost and GEMM
 efficiency to them (bandwidth and attention shares fixed: see FIXED), then states each row's
-error. The jamp row must be the program that was measured, so its HLO comes from a checkout of
+error, and each variant's predicted MFU (PaLM's model FLOPs over the predicted time, against
+the dense bf16 peak: a prediction, like the time). The jamp row must be the program that was measured, so its HLO comes from a checkout of
 63141af:
 
     git worktree add /tmp/jamp-63141af 63141af
@@ -13,6 +14,8 @@ error. The jamp row must be the program that was measured, so its HLO comes from
     (cd /tmp/jamp-63141af && python experiments/gpu_estimate.py --dump /tmp/hlo-63141af \\
         --variants hf_jamp_bf16)
     python experiments/gpu_estimate.py --dump /tmp/hlo-now        # every variant, this tree
+    python experiments/gpu_estimate.py --dump /tmp/hlo-now --batch 32 \
+        --variants hf_jamp_bf16 lm_jamp_bf16_losses                # the MFU target's batch
     python experiments/gpu_estimate.py --calibrate /tmp/hlo-63141af /tmp/hlo-now
 
 writes experiments/results/gpu_estimate_h200.md (and .json): the fitted constants, each
@@ -46,20 +49,29 @@ MEASURED = {
 FIXED = {"memory": 0.80, "attention": 0.45}
 
 
-def dump(out: pathlib.Path, variants, quick: bool) -> None:
-    """Compiles each variant for one H200 and writes <variant>.hlo and <variant>.json."""
+def dump(out: pathlib.Path, variants, quick: bool, batch: int = 8) -> None:
+    """Compiles each variant for one H200 and writes <variant>.hlo and <variant>.json
+    (<variant>_b<batch>.* for a batch other than 8)."""
     import gpt2_variants
 
     from jamp.target import compile_for
 
     out.mkdir(parents=True, exist_ok=True)
     for name in variants:
-        built = gpt2_variants.build(name, batch=8, quick=quick)
+        built = gpt2_variants.build(name, batch=batch, quick=quick)
         report = compile_for(built.step, *built.abstract_args, target="h200")
-        (out / f"{name}.hlo").write_text(report.hlo_text)
+        stem = name if batch == 8 else f"{name}_b{batch}"
+        (out / f"{stem}.hlo").write_text(report.hlo_text)
         m = report.memory
-        info = {"variant": name, "temp": m.temporaries, "peak": m.peak, "params": built.params}
-        (out / f"{name}.json").write_text(json.dumps(info))
+        info = {
+            "variant": name,
+            "batch": batch,
+            "flops": built.model_flops,
+            "temp": m.temporaries,
+            "peak": m.peak,
+            "params": built.params,
+        }
+        (out / f"{stem}.json").write_text(json.dumps(info))
         print(f"{name}: peak {m.peak / 2**30:.2f} GiB, temporaries {m.temporaries / 2**30:.2f}")
 
 
@@ -94,8 +106,6 @@ def fit(found: dict, gpu):
 
 
 def calibrate(measured_dir: pathlib.Path, now_dir: pathlib.Path) -> None:
-    from jamp.hlo.text import parse
-    from jamp.inspect.timing import estimate
     from jamp.target import GPUS
 
     gpu = GPUS["h200"]
@@ -117,15 +127,29 @@ def calibrate(measured_dir: pathlib.Path, now_dir: pathlib.Path) -> None:
                 "hlo": str(sources[v]),
             }
         )
-    variants = []
-    for path in sorted(now_dir.glob("*.hlo")):
-        est = estimate(parse(path.read_text()), gpu, rates)
-        variants.append({"variant": path.stem, **est.to_dict()})
+    variants = variant_rows(now_dir, gpu, rates)
     result = {"rates": rates.__dict__, "fixed": FIXED, "calibration": rows, "variants": variants}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "gpu_estimate_h200.json").write_text(json.dumps(result, indent=1, default=str))
     (RESULTS / "gpu_estimate_h200.md").write_text(_markdown(result))
     print(json.dumps({"rates": rates.__dict__, "calibration": rows}, indent=1))
+
+
+def variant_rows(now_dir: pathlib.Path, gpu, rates) -> list[dict]:
+    """Each dumped program's estimate, with its batch and predicted MFU where its dump has them."""
+    from jamp.hlo.text import parse
+    from jamp.inspect.timing import estimate
+
+    rows = []
+    for path in sorted(now_dir.glob("*.hlo")):
+        est = estimate(parse(path.read_text()), gpu, rates)
+        info_path = path.with_suffix(".json")
+        info = json.loads(info_path.read_text()) if info_path.exists() else {}
+        row = {"variant": path.stem, "batch": info.get("batch", 8), **est.to_dict()}
+        if "flops" in info:  # dumps before the MFU column have no FLOPs
+            row["predicted_mfu"] = info["flops"] / est.seconds / (gpu.bf16_tflops * 1e12)
+        rows.append(row)
+    return rows
 
 
 def _markdown(result) -> str:
@@ -161,16 +185,21 @@ def _markdown(result) -> str:
         "",
         "## This tree's GPT-2-small variants (experiments/gpt2_variants.py), predicted",
         "",
-        "| variant | predicted ms | kernels | of it launches ms | GEMM ms | attention ms |",
-        "|---|---|---|---|---|---|",
+        "Predicted MFU: PaLM's model FLOPs (6 N + 12 L T E per token) over the predicted time, "
+        "against the dense bf16 peak (989 TFLOP/s); a prediction, as the time is.",
+        "",
+        "| variant | batch | predicted ms | predicted MFU | kernels | of it launches ms "
+        "| GEMM ms | attention ms |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for v in result["variants"]:
         kinds = v["by_kind"]
         gemm = kinds.get("gemm", {}).get("seconds", 0) * 1e3
         attention = kinds.get("attention", {}).get("seconds", 0) * 1e3
+        mfu = f"{v['predicted_mfu']:.1%}" if "predicted_mfu" in v else "-"
         lines.append(
-            f"| {v['variant']} | {v['seconds'] * 1e3:.2f} | {v['kernels']} "
-            f"| {v['launch_seconds'] * 1e3:.2f} | {gemm:.2f} | {attention:.2f} |"
+            f"| {v['variant']} | {v['batch']} | {v['seconds'] * 1e3:.2f} | {mfu} "
+            f"| {v['kernels']} | {v['launch_seconds'] * 1e3:.2f} | {gemm:.2f} | {attention:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -180,12 +209,13 @@ def main(argv=None):
     parser.add_argument("--dump", type=pathlib.Path, help="compile the variants, write HLO here")
     parser.add_argument("--variants", nargs="*", default=None)
     parser.add_argument("--quick", action="store_true", help="tiny shapes")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step (dump)")
     parser.add_argument("--calibrate", nargs=2, type=pathlib.Path, metavar=("MEASURED", "NOW"))
     args = parser.parse_args(argv)
     if args.dump:
         import gpt2_variants
 
-        dump(args.dump, args.variants or gpt2_variants.VARIANTS, args.quick)
+        dump(args.dump, args.variants or gpt2_variants.VARIANTS, args.quick, args.batch)
     if args.calibrate:
         calibrate(*args.calibrate)
 

@@ -1,6 +1,7 @@
 """experiments/gpu_compile.py: its hand-written cuDNN-attention peer is reported fused, and its
 table and plot are written from its JSON (the compiles themselves are the experiment's)."""
 
+import json
 import pathlib
 import sys
 
@@ -143,3 +144,25 @@ def test_gpu_compile_policy_rerun_replaces_its_rows_in_place():
     ]
     assert [r["temp"] // GIB for r in got if r["label"] == "fp8"] == [2, 3, 4]
     assert [r for r in got if r["label"] != "fp8"] == [r for r in old if r["label"] != "fp8"]
+
+
+@pytest.mark.gpu_compile
+def test_gpu_estimate_dumps_a_batch_and_predicts_its_mfu(tmp_path):
+    import gpt2_variants
+    import gpu_estimate
+
+    from jamp.inspect.timing import RATES
+
+    gpu_estimate.dump(tmp_path, ["lm_jamp_bf16"], quick=True, batch=2)
+    info = json.loads((tmp_path / "lm_jamp_bf16_b2.json").read_text())
+    built = gpt2_variants.build("lm_jamp_bf16", batch=2, quick=True)
+    assert (info["batch"], info["flops"]) == (2, built.model_flops)
+    (row,) = gpu_estimate.variant_rows(tmp_path, target_lib.GPUS["h200"], RATES)
+    assert row["variant"] == "lm_jamp_bf16_b2" and row["batch"] == 2
+    peak = target_lib.GPUS["h200"].bf16_tflops * 1e12
+    assert row["predicted_mfu"] == pytest.approx(built.model_flops / row["seconds"] / peak)
+    table = gpu_estimate._markdown({"rates": RATES.__dict__, "calibration": [], "variants": [row]})
+    assert (
+        f"| lm_jamp_bf16_b2 | 2 | {row['seconds'] * 1e3:.2f} | {row['predicted_mfu']:.1%} |"
+        in table
+    )
