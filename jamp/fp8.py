@@ -12,21 +12,25 @@ Recipes, per matmul site (one `dot_general` of the traced program):
 * ``"current"``: `amax` is the tensor's own, now. Stateless; one reduction before each GEMM.
 * ``"delayed"``: `s` comes from the largest amax of the last `history` steps, kept in `Fp8State`;
   this step's amax is recorded for the next, in the same kernel that quantises the tensor
-  (nothing of this step's amax stands before the GEMM). A fresh state has no history: its first
-  step only measures (`measuring`), and `make_train_step` skips it like an overflow, params
-  untouched, the amaxes recorded. (Quantising that step by scales of 1 would flush small
-  gradients to zero; quantising it by its own amax, on every step in case it is the first, put
-  the reduction and a select before every quantisation: 264 more kernels in GPT-2 small's step
-  on the H200 program, 1795 against 1531.) A row whose tensor was zero on every step so far (a
-  zero-initialised weight) keeps its last scale, 1 at first.
+  (nothing of this step's amax stands before the GEMM). A site with no history yet has no scale
+  to use: take the step that fills it with `calibrating(train_step)`, which quantises every
+  tensor by its own amax (current scaling) and records the amaxes — a fresh state's first step,
+  and the step after sites join a state (`python -m jamp.train` does both). Scaling by the own
+  amax on every step in case a site is new put the reduction and a select before every
+  quantisation: 264 more kernels in GPT-2 small's step on the H200 program, 1795 against 1531.
+  Without it, `make_train_step` skips a fresh state's first step like an overflow (`measuring`),
+  params untouched, the amaxes recorded — but that step quantised by scales of 1, so a gradient
+  reaching a site through another fp8 matmul was flushed or clipped there and its amax is
+  recorded too small (or zero) for a step or two. A row whose tensor was zero on every step so
+  far (a zero-initialised weight) keeps its last scale, 1 at first.
 
 How the state reaches the matmuls and this step's amaxes leave them, with nothing for the user
 to thread: the train step runs the loss under `scaling(state)`, and each fp8 matmul traced there
 reads its site's scales from it. Differentiating the loss with respect to the state as well as the
 params gives, in the state's place, this step's observations (each site's amax of x, w and the
 gradient, put there by the matmul's custom VJP); the step max-reduces them over microbatches and
-replicas and, after the finite check, calls `update` (a skipped step keeps the state bit-identical,
-like the params). The optimizer never sees the state. A matmul without a site in the state (no
+replicas and, after the finite check, calls `update` (a step skipped for an overflow keeps the
+state bit-identical, like the params; a fresh state's measuring step records its amaxes). The optimizer never sees the state. A matmul without a site in the state (no
 state at all, or one inside a loop body: see `init_state`) uses current scaling.
 
 What the backward pass keeps of an activation is one copy. Sites that read one tensor under a
@@ -41,6 +45,9 @@ Example::
     model = jamp.wrap(Transformer(cfg), "mixed_fp8")          # stateless: current scaling
     fp8_state = jamp.fp8.init_state(loss_fn, params, {}, batch, key, recipe="delayed")
     state = jamp.TrainState.create(params, tx, fp8_state=fp8_state)
+    train_step = jax.jit(jamp.make_train_step(loss_fn, tx), donate_argnums=0)
+    first_step = jax.jit(jamp.fp8.calibrating(jamp.make_train_step(loss_fn, tx)), donate_argnums=0)
+    state, metrics = first_step(state, batch, key)      # then train_step from the second on
 """
 
 from __future__ import annotations
@@ -217,7 +224,9 @@ def init_state(
     found: list[str] = []
     token = _ACTIVE.set(_Scope(None, found))
     try:
-        jax.eval_shape(fn, *args, **kwargs)
+        # A new function each time: eval_shape caches its trace by the function, and a cached
+        # trace finds no sites (a second state for the same loss came out empty).
+        jax.eval_shape(lambda *a, **k: fn(*a, **k), *args, **kwargs)
     finally:
         _ACTIVE.reset(token)
     length = history if recipe == "delayed" else 1
@@ -337,12 +346,41 @@ def measuring(state: Optional[Fp8State]) -> jax.Array:
     """Whether a step under `state` only measures: a delayed state that has recorded no amax yet
     (the newest amax of every site is zero, as `init_state` makes it). Its scales are the initial
     ones, 1, not fitted to any tensor: `make_train_step` records that step's amaxes and skips it,
-    like an overflow (a hand-written step should discard its update too). False for the current
-    recipe, which quantises with each tensor's own amax, and without a state."""
+    like an overflow (a hand-written step should discard its update too). Its amaxes are those
+    of a step quantised by scales of 1: one taken with `calibrating` instead records each
+    tensor's true amax and is applied. False for the current recipe, which quantises with each
+    tensor's own amax, and without a state."""
     if state is None or not state.sites or state.recipe != "delayed":
         return jnp.zeros((), jnp.bool_)
     newest = functools.reduce(jnp.maximum, [s.amax_history[:, 0] for s in state.sites.values()])
     return _max_last(newest) == 0
+
+
+def calibrating(train_step: Callable) -> Callable:
+    """`train_step` (from `jamp.make_train_step`: `(state, *args) -> (state, metrics)`, its
+    state a `TrainState`) taking its step with every fp8 matmul of a delayed state quantised by
+    its tensor's own amax, as the current recipe does, and the amaxes recorded into the state's
+    histories and scales as a delayed step records them.
+
+    For a step where some site has no history yet: a fresh state's first step (which the plain
+    step would skip, having quantised by scales of 1: see `measuring`), or the step after sites
+    joined the state (`carry_over` adds them fresh: the plain step would quantise them by scales
+    of 1 and apply the update). Each tensor's amax then stands before its quantisation (a
+    reduction and a wait per operand: a slower step, and a second compilation), so take it for
+    that one step and go on with `train_step`. A state without sites, or of the current recipe,
+    steps as `train_step` does.
+    """
+
+    @functools.wraps(train_step)
+    def step(state, *args, **kwargs):
+        f8 = getattr(state, "fp8_state", None)
+        if not uses_state(f8) or f8.recipe != "delayed":
+            return train_step(state, *args, **kwargs)
+        current = state.replace(fp8_state=f8.replace(recipe="current"))
+        new_state, metrics = train_step(current, *args, **kwargs)
+        return new_state.replace(fp8_state=new_state.fp8_state.replace(recipe=f8.recipe)), metrics
+
+    return step
 
 
 def saturation(state: Fp8State, observed: Fp8State) -> dict:

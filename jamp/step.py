@@ -12,7 +12,8 @@ follows one order (see DESIGN.md, "The mixed-precision step, written once"):
      view and round the result to their dtypes (stochastically for bfloat16 params);
   7. keep the old params, optimizer state and model state if the gradients were not finite (and
      the fp8 scaling state, which otherwise takes this step's amaxes, max-reduced in 3 and 4), or
-     if a fresh delayed fp8 state only measured on this step (`jamp.fp8.measuring`);
+     if a fresh delayed fp8 state only measured on this step (`jamp.fp8.measuring`; take that
+     step with `jamp.fp8.calibrating(train_step)` to apply it with true scales instead);
   8. adjust the loss scale and count the step.
 
 Nothing here jits or pmaps: callers wrap the step in `jax.jit`, or use `jamp.parallel`.

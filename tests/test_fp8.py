@@ -522,6 +522,116 @@ def test_a_fresh_delayed_state_measures_on_its_first_step_and_skips_it(lm_setup,
     )
 
 
+def _small_loss_fn(model, factor=1 / 4096):
+    """The LM's loss times `factor`: a mean over that many times more tokens, as a real batch's
+    is, whose gradients sit far below E5M2's smallest values at a scale of 1."""
+    loss_fn = _loss_fn(model)
+
+    def small(params, model_state, tokens, rng):
+        loss, aux = loss_fn(params, model_state, tokens, rng)
+        return loss * factor, aux
+
+    return small
+
+
+def _small_state(model, params, recipe="delayed"):
+    st = fp8.init_state(
+        _small_loss_fn(model), params, {}, _tokens(), None, recipe=recipe, history=4
+    )
+    return jamp.TrainState.create(params, optax.sgd(1.0), fp8_state=st)
+
+
+def test_a_calibrating_first_step_records_true_amaxes_and_applies_where_measuring_cannot():
+    """A fresh delayed state's first step, taken with `fp8.calibrating`: every tensor quantised
+    by its own amax, so it is the current recipe's step, params and amaxes alike, and is applied.
+    The plain step's measuring step quantised by scales of 1: gradients reaching a site through
+    another fp8 matmul were flushed there, and their amaxes are recorded as zero (or too small),
+    which clips the next, applied step."""
+    model = jamp.wrap(_lm(), "mixed_fp8")
+    params = model.init(jax.random.key(0), _tokens()[:, :-1])["params"]
+    tx, tokens, rng = optax.sgd(1.0), _tokens(0), jax.random.key(1)
+    step = jax.jit(jamp.make_train_step(_small_loss_fn(model), tx))
+    first_step = jax.jit(fp8.calibrating(jamp.make_train_step(_small_loss_fn(model), tx)))
+    fresh = _small_state(model, params)
+
+    measured, metrics = step(fresh, tokens, rng)
+    assert int(metrics["skipped_steps"]) == 1
+    g_rows = {n: float(s.amax_history[2, 0]) for n, s in measured.fp8_state.sites.items()}
+    assert min(g_rows.values()) == 0.0  # what the calibrating step is for
+
+    calibrated, metrics = first_step(fresh, tokens, rng)
+    current, _ = step(_small_state(model, params, "current"), tokens, rng)
+    assert int(metrics["skipped_steps"]) == 0 and bool(metrics["grads_finite"])
+    assert calibrated.fp8_state.recipe == "delayed" and not bool(
+        fp8.measuring(calibrated.fp8_state)
+    )
+    for a, b in zip(jax.tree.leaves(calibrated.params), jax.tree.leaves(current.params)):
+        np.testing.assert_array_equal(a, b)
+    for name, site in calibrated.fp8_state.sites.items():
+        want = current.fp8_state.sites[name].amax_history[:, 0]
+        np.testing.assert_array_equal(site.amax_history[:, 0], want)
+        assert np.all(np.asarray(want) > 0) and not np.any(site.amax_history[:, 1:])
+        np.testing.assert_allclose(site.scale, fp8._FMAX / want, rtol=1e-6)
+
+    # The next (plain, applied) step: from the calibrated state every weight moves; from the
+    # measured one, those behind a zero-recorded gradient scale get their gradient flushed.
+    def unchanged(before):
+        after, metrics = step(before, _tokens(1), rng)
+        assert int(metrics["skipped_steps"]) == int(before.skipped_steps)
+        pairs = zip(jax.tree.leaves(before.params), jax.tree.leaves(after.params))
+        return sum(np.array_equal(a, b) for a, b in pairs)
+
+    assert unchanged(calibrated) == 0 < unchanged(measured)
+
+
+def test_a_calibrating_step_fills_a_site_that_joined_a_state_with_history():
+    """A site added fresh to a state that has history (`carry_over`: adaptive precision moved a
+    module back to fp8) is not a measuring state: the plain step would quantise it by scales of
+    1 and apply the update. The calibrating step records its amaxes and updates its weights."""
+    model = jamp.wrap(_lm(), "mixed_fp8")
+    params = model.init(jax.random.key(0), _tokens()[:, :-1])["params"]
+    tx, rng = optax.sgd(1.0), jax.random.key(1)
+    step = jax.jit(jamp.make_train_step(_small_loss_fn(model), tx))
+    first_step = jax.jit(fp8.calibrating(jamp.make_train_step(_small_loss_fn(model), tx)))
+    state, _ = first_step(_small_state(model, params), _tokens(0), rng)
+    state, _ = step(state, _tokens(1), rng)
+    joined = next(n for n in state.fp8_state.sites if "DecoderBlock_0/Dense_0" in n)
+    kept = {n: s for n, s in state.fp8_state.sites.items() if n != joined}
+    fresh = fp8.init_state(_small_loss_fn(model), params, {}, _tokens(), None, history=4)
+    state = state.replace(fp8_state=fp8.carry_over(fresh, state.fp8_state.replace(sites=kept)))
+    assert not bool(fp8.measuring(state.fp8_state))
+    np.testing.assert_array_equal(state.fp8_state.sites[joined].scale, [1.0, 1.0, 1.0])
+
+    def kernel(s):
+        return np.asarray(s.params["DecoderBlock_0"]["Dense_0"]["kernel"])
+
+    plain, _ = step(state, _tokens(2), rng)
+    assert np.array_equal(kernel(plain), kernel(state))  # its gradient flushed at a scale of 1
+    calibrated, metrics = first_step(state, _tokens(2), rng)
+    assert int(metrics["skipped_steps"]) == int(state.skipped_steps)
+    assert not np.array_equal(kernel(calibrated), kernel(state))
+    site = calibrated.fp8_state.sites[joined]
+    assert np.all(np.asarray(site.amax_history[:, 0]) > 0)
+    np.testing.assert_allclose(site.scale, fp8._FMAX / site.amax_history[:, 0], rtol=1e-6)
+    # the sites that had a history took this step's amaxes in, as a delayed step does
+    other = next(iter(kept))
+    np.testing.assert_array_equal(
+        calibrated.fp8_state.sites[other].amax_history[:, 1],
+        state.fp8_state.sites[other].amax_history[:, 0],
+    )
+
+
+def test_init_state_finds_the_sites_again_for_the_same_loss():
+    """jax.eval_shape caches its trace by the function: a second state for the same loss
+    function and arguments came out without sites."""
+    model = jamp.wrap(_lm(), "mixed_fp8")
+    params = model.init(jax.random.key(0), _tokens()[:, :-1])["params"]
+    loss_fn = _loss_fn(model)
+    a = fp8.init_state(loss_fn, params, {}, _tokens(), None)
+    b = fp8.init_state(loss_fn, params, {}, _tokens(), None)
+    assert len(a.sites) == len(b.sites) > 0
+
+
 def test_delayed_scaling_differs_from_current_and_uses_the_state(lm_setup, names):
     model, params = lm_setup
     step = jax.jit(jamp.make_train_step(_loss_fn(model), optax.adam(1e-3)))

@@ -70,6 +70,10 @@ def test_train_fp8_summary_metrics_and_the_checkpointed_state(reference, data_di
     assert _records(workdir, "eval")[-1]["perplexity"] < 256
     config = json.loads((workdir / "config.json").read_text())
     assert config["fp8_recipe"] == "delayed"
+    # The fresh state's first step quantised by each tensor's own amax (fp8.calibrating) and was
+    # applied: nothing skipped (the plain step would have skipped it, measuring).
+    assert int(_restore(workdir, data_dir, EVERY).skipped_steps) == 0
+    assert "only measures" not in out.stdout
 
 
 def test_train_fp8_resume_is_bit_identical(reference, tmp_path, data_dir):

@@ -153,12 +153,17 @@ def _fp8_sites_of(run, model, info) -> fp8.Fp8State:
 def _fp8_after_promotion(run, model, info, state):
     """The placed fp8 state for `model` (rebuilt with other overrides): a site for each of its
     fp8 matmuls, the surviving sites' histories and scales carried over as they are on the
-    devices, a site that is new (a demotion back to fp8) fresh."""
+    devices, a site that is new (a demotion back to fp8) fresh; and whether there is one."""
     fresh = _fp8_sites_of(run, model, info)
     new = {name: site for name, site in fresh.sites.items() if name not in state.fp8_state.sites}
     new = _replicated(run, new)  # like every fp8 site; the kept ones stay where they are
     placed = fresh.replace(sites={name: new.get(name, site) for name, site in fresh.sites.items()})
-    return fp8.carry_over(placed, state.fp8_state)
+    return fp8.carry_over(placed, state.fp8_state), bool(new)
+
+
+def _needs_calibration(run, state) -> bool:
+    """Whether the next step must fill fresh delayed fp8 sites (`fp8.calibrating`)."""
+    return bool(run.fp8) and run.fp8[0] == "delayed" and fp8.uses_state(state.fp8_state)
 
 
 class _StopFlag:
@@ -424,9 +429,16 @@ def _train(
     def eval_fn(axis_name):
         return make_eval_step(tasks.make_eval_fn(model, task), axis_name=axis_name)
 
+    def calibrating_fn(axis_name):
+        return fp8.calibrating(train_step_fn(axis_name))
+
     placement = _placement(run, train_step_fn, eval_fn, state)
     p_train_step = placement.train_step
     rng = jax.random.key(run.seed)
+    # A fresh delayed fp8 state: the first step quantises by each tensor's own amax and fills
+    # the histories (the plain step would skip it, quantised by scales of 1). Restored: it has
+    # them.
+    calibrate = start == 0 and _needs_calibration(run, state)
     state = placement.place(state)
     batches = dataset.train_batches(start_step=start)
     bar = _progress(run.num_train_steps, start)
@@ -435,6 +447,19 @@ def _train(
     overflow = OverflowWatch(run.loss_scale, run.persistent_overflow_steps)
     overflows = OverflowLog()  # which modules overflowed, for the log lines and the summary
     step = start
+    compiled_at = start + 1  # the step whose call compiles a new program: kept out of the times
+
+    def take_step(state, batch):
+        nonlocal calibrate, compiled_at
+        if not calibrate:
+            return p_train_step(state, placement.batch(batch), rng)
+        calibrate, compiled_at = False, step + 2  # the plain step compiles on the next one
+        first = _placement(run, calibrating_fn, eval_fn, state).train_step
+        return first(state, placement.batch(batch), rng)
+
+    if run.profile_steps and calibrate:  # the profiled steps are plain ones
+        state, _ = take_step(state, next(batches))
+        step += 1
     if run.profile_steps:
         state, step = run_log.profile_first_steps(
             run, p_train_step, placement, state, batches, rng, step, workdir
@@ -446,7 +471,10 @@ def _train(
         t0 = time.perf_counter()
         batch = next(batches)
         wait += time.perf_counter() - t0
-        state, metrics = p_train_step(state, placement.batch(batch), rng)
+        compiles, t_call = calibrate or step + 1 == compiled_at, time.perf_counter()
+        state, metrics = take_step(state, batch)
+        if compiles and window_start is not None:
+            window_start += time.perf_counter() - t_call  # a compilation is not throughput
         pending.append(metrics)
         step += 1
         if bar is not None:
@@ -463,8 +491,10 @@ def _train(
                     # placed like the scale it replaces (the rest of the state stays put).
                     state = state.replace(loss_scale=_replicated(run, run.loss_scale))
                     if run.fp8:  # the promoted modules' fp8 sites are gone from the program
-                        fp8_state = _fp8_after_promotion(run, model, dataset.info, state)
+                        fp8_state, added = _fp8_after_promotion(run, model, dataset.info, state)
                         state = state.replace(fp8_state=fp8_state)
+                        # A module back in fp8: its sites' first step fills their histories.
+                        calibrate = added and _needs_calibration(run, state)
                     placement = _placement(run, train_step_fn, eval_fn, state)
                     p_train_step = placement.train_step
         if run.trace_nonfinite and not bool(np.all(jax.device_get(metrics["grads_finite"]))):
@@ -544,8 +574,8 @@ def _fp8_summary(run, state) -> str:
     recipe, history, margin = run.fp8
     sites = len(state.fp8_state.sites) if fp8.uses_state(state.fp8_state) else 0
     how = "current"
-    if recipe == "delayed":  # the skipped step the summary counts: say what it was
-        how = f"delayed (amax history {history}), the first step only measures (skipped)"
+    if recipe == "delayed":
+        how = f"delayed (amax history {history})"
     return (
         f"{how}, margin {margin:g}, {sites} fp8 matmuls; output head, embedding and "
         "convolutions bf16"
