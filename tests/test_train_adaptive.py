@@ -420,10 +420,13 @@ def test_the_fp8_state_follows_a_promotion_and_a_demotion_placed_like_the_rest(
         else parallel.replicate(host)
     )
     promoted = adapting.rewrap(model, {"Dense_0": get_policy("mixed_bfloat16")})
-    state = state.replace(fp8_state=loop._fp8_after_promotion(run, promoted, dataset.info, state))
-    assert state.fp8_state.sites == {}
+    fp8_state, added = loop._fp8_after_promotion(run, promoted, dataset.info, state)
+    state = state.replace(fp8_state=fp8_state)
+    assert state.fp8_state.sites == {} and not added
     # back in fp8 (a demotion): the site is fresh, and replicated as every fp8 site is
-    state = state.replace(fp8_state=loop._fp8_after_promotion(run, model, dataset.info, state))
+    fp8_state, added = loop._fp8_after_promotion(run, model, dataset.info, state)
+    state = state.replace(fp8_state=fp8_state)
+    assert added  # the loop's next step is a calibrating one
     (site,) = state.fp8_state.sites.values()
     for leaf in jax.tree.leaves(site):
         if parallelism == "sharded":
@@ -432,3 +435,25 @@ def test_the_fp8_state_follows_a_promotion_and_a_demotion_placed_like_the_rest(
             assert leaf.shape[0] == jax.local_device_count()  # one copy per replica
     scale = parallel.unreplicate(site).scale if parallelism == "pmap" else site.scale
     np.testing.assert_array_equal(np.asarray(scale), np.ones(3, np.float32))
+
+    # The loop's next step, calibrating, placed like the plain one: it fills the fresh site
+    from jamp import fp8
+    from jamp.step import make_eval_step, make_train_step
+    from jamp.train import tasks
+
+    def calibrating_fn(axis_name):
+        loss_fn = tasks.make_loss_fn(model, "classification")
+        return fp8.calibrating(make_train_step(loss_fn, tx, axis_name=axis_name))
+
+    def eval_fn(axis_name):
+        return make_eval_step(tasks.make_eval_fn(model, "classification"), axis_name=axis_name)
+
+    placement = loop._placement(run, calibrating_fn, eval_fn, state)
+    batch = placement.batch(next(dataset.train_batches(start_step=0)))
+    state, metrics = placement.train_step(state, batch, jax.random.key(0))
+    host = placement.host(state)
+    (site,) = host.fp8_state.sites.values()
+    newest = np.asarray(site.amax_history)[:, 0]
+    assert np.all(newest > 0) and int(host.skipped_steps) == 0
+    assert host.fp8_state.recipe == "delayed"
+    np.testing.assert_allclose(np.asarray(site.scale), fp8._FMAX / newest, rtol=1e-6)
