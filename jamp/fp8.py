@@ -292,6 +292,30 @@ def scaling(state: Optional[Fp8State], own_when_unmeasured: bool = False):
         _ACTIVE.reset(token)
 
 
+_HEAD_OUTSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "jamp_fp8_head_outside", default=False
+)
+
+
+@contextlib.contextmanager
+def head_outside():
+    """While a wrapped model is traced in this context, its output head is not in its program:
+    the model returns its last hidden states and the head is applied outside it
+    (`jamp.losses.fused_linear_cross_entropy`). Its last matmul (the last block's) is then fp8
+    like the others, where by default a program's last matmul is taken for the head and stays
+    bfloat16."""
+    token = _HEAD_OUTSIDE.set(True)
+    try:
+        yield
+    finally:
+        _HEAD_OUTSIDE.reset(token)
+
+
+def head_is_outside() -> bool:
+    """Whether a trace is in `head_outside`."""
+    return _HEAD_OUTSIDE.get()
+
+
 def uses_state(state: Any) -> bool:
     """Whether `state` is an `Fp8State` with sites (a train step then threads it)."""
     return isinstance(state, Fp8State) and bool(state.sites)

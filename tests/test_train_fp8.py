@@ -4,6 +4,8 @@ recipe (the digits CNN's matmuls are few: the LM has 6 per block)."""
 from __future__ import annotations
 
 import json
+import pathlib
+import runpy
 import shutil
 
 import jax
@@ -12,6 +14,7 @@ import pytest
 from subproc import recipe_state
 from test_train import _records, _smoke
 
+import jamp
 from jamp.train.checkpoint import Checkpointer
 
 pytestmark = pytest.mark.program
@@ -88,3 +91,28 @@ def test_train_fp8_resume_is_bit_identical(reference, tmp_path, data_dir):
     assert np.all(np.asarray(history) > 0)  # 12 steps filled the history of 4
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_lm_loss_in_chunks_keeps_the_last_block_in_fp8(data_dir):
+    """The LM's loss applies the output head itself, in chunks (jamp.losses), on the model's
+    last hidden states: the model's last matmul is then its last block's, not the head, and is
+    fp8 like the others (it was kept bfloat16, taken for the head). The adaptive run's loss,
+    on logits, has the same sites: every block matmul, the head (tied embedding) bfloat16."""
+    from jamp.train import loop, tasks
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    config = runpy.run_path(str(root / "configs" / "lm_pydoc.py"))["get_config"]("smoke")
+    config.update(data_dir=str(data_dir), policy="mixed_fp8")
+    run, data_cfg, _, _ = loop.parse_config(config)
+    dataset, model = loop.build_model(run, data_cfg, "lm")
+    sites = {}
+    for flags in (False, True):
+        variables = dict(loop.adapting.abstract_variables(model, dataset.info))
+        params = variables.pop("params")
+        batch = {"tokens": jax.numpy.zeros((2, dataset.info.input_shape[0] + 1), "int32")}
+        loss_fn = tasks.make_loss_fn(model, "lm", forward_flags=flags)
+        state = jamp.fp8.init_state(loss_fn, params, variables, batch, jax.random.key(0))
+        sites[flags] = sorted(state.sites)
+    blocks = config.model_config.num_layers
+    assert sites[False] == sites[True] and len(sites[False]) == 6 * blocks, sites
+    assert any(name.endswith(f"Block_{blocks - 1}/Dense_1/dot_general") for name in sites[False])

@@ -562,12 +562,13 @@ def eval_jaxpr(
         `jamp.engine._attention`) under a 16-bit compute dtype as one call (`jamp.attention`):
         cuDNN's fused kernel on NVIDIA GPUs.
       head_in_fp8: under fp8 matmuls (`jamp.fp8.MATMUL_MARKER`), whether the program's last
-        matmul (a model's output head) is fp8 too; by default it inherits bfloat16.
+        matmul (a model's output head) is fp8 too; by default it inherits bfloat16 (in
+        `jamp.fp8.head_outside`, the program has no head: it is fp8).
 
     Returns:
       The list of output values, in the dtypes the program was traced with.
     """
-    head = None if head_in_fp8 else V.last_dot(jaxpr)
+    head = None if head_in_fp8 or fp8.head_is_outside() else V.last_dot(jaxpr)
     form = act.resolve(activations)
     act.note(form, compute_dtype)
     ctx = _Ctx(compute_for, form == "compute", head, fuse_attention=fuse_attention)

@@ -9,6 +9,8 @@ divide totals by totals whatever the padding of the last batch.
 
 from __future__ import annotations
 
+import contextlib
+
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -25,11 +27,13 @@ def _apply(model, params, model_state, inputs, train, rng=None, hidden=False):
     variables = {"params": params, **model_state}
     rngs = {"dropout": rng} if rng is not None else None
     more = {"return_hidden": True} if hidden else {}
-    if train and model_state:
-        return model.apply(
-            variables, inputs, train=True, rngs=rngs, mutable=list(model_state), **more
-        )
-    return model.apply(variables, inputs, train=train, rngs=rngs, **more), model_state
+    # Returning its hidden states, the model's last matmul is its last block's, not the head.
+    with fp8.head_outside() if hidden else contextlib.nullcontext():
+        if train and model_state:
+            return model.apply(
+                variables, inputs, train=True, rngs=rngs, mutable=list(model_state), **more
+            )
+        return model.apply(variables, inputs, train=train, rngs=rngs, **more), model_state
 
 
 def _inputs_targets(task, batch):
