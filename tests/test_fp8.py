@@ -454,11 +454,10 @@ def test_update_rolls_the_history_and_scales_from_its_maximum():
     np.testing.assert_allclose(seen[3], [448 / 1 / 2, 448 / 1 / 2, 57344 / 16 / 2])  # 2 dropped
 
 
-def _state(model, params, recipe="delayed", history=4):
-    st = fp8.init_state(
-        _loss_fn(model), params, {}, _tokens(), None, recipe=recipe, history=history
-    )
-    return jamp.TrainState.create(params, optax.adam(1e-3), fp8_state=st)
+def _state(model, params, recipe="delayed", history=4, loss_fn=None, tx=None):
+    loss_fn = loss_fn or _loss_fn(model)
+    st = fp8.init_state(loss_fn, params, {}, _tokens(), None, recipe=recipe, history=history)
+    return jamp.TrainState.create(params, tx or optax.adam(1e-3), fp8_state=st)
 
 
 def _run(step, state, batches):
@@ -534,11 +533,19 @@ def _small_loss_fn(model, factor=1 / 4096):
     return small
 
 
-def _small_state(model, params, recipe="delayed"):
-    st = fp8.init_state(
-        _small_loss_fn(model), params, {}, _tokens(), None, recipe=recipe, history=4
-    )
-    return jamp.TrainState.create(params, optax.sgd(1.0), fp8_state=st)
+def _small_setup():
+    """The LM under mixed_fp8 with `_small_loss_fn`, plain SGD: (model, params, `fresh(recipe)`
+    making a fresh state, the plain step, the calibrating step)."""
+    model = jamp.wrap(_lm(), "mixed_fp8")
+    params = model.init(jax.random.key(0), _tokens()[:, :-1])["params"]
+    tx = optax.sgd(1.0)
+
+    def fresh(recipe="delayed"):
+        return _state(model, params, recipe, loss_fn=_small_loss_fn(model), tx=tx)
+
+    step = jax.jit(jamp.make_train_step(_small_loss_fn(model), tx))
+    first_step = jax.jit(fp8.calibrating(jamp.make_train_step(_small_loss_fn(model), tx)))
+    return model, params, fresh, step, first_step
 
 
 def test_a_calibrating_first_step_records_true_amaxes_and_applies_where_measuring_cannot():
@@ -547,12 +554,9 @@ def test_a_calibrating_first_step_records_true_amaxes_and_applies_where_measurin
     The plain step's measuring step quantised by scales of 1: gradients reaching a site through
     another fp8 matmul were flushed there, and their amaxes are recorded as zero (or too small),
     which clips the next, applied step."""
-    model = jamp.wrap(_lm(), "mixed_fp8")
-    params = model.init(jax.random.key(0), _tokens()[:, :-1])["params"]
-    tx, tokens, rng = optax.sgd(1.0), _tokens(0), jax.random.key(1)
-    step = jax.jit(jamp.make_train_step(_small_loss_fn(model), tx))
-    first_step = jax.jit(fp8.calibrating(jamp.make_train_step(_small_loss_fn(model), tx)))
-    fresh = _small_state(model, params)
+    _, _, fresh_state, step, first_step = _small_setup()
+    tokens, rng = _tokens(0), jax.random.key(1)
+    fresh = fresh_state()
 
     measured, metrics = step(fresh, tokens, rng)
     assert int(metrics["skipped_steps"]) == 1
@@ -560,7 +564,7 @@ def test_a_calibrating_first_step_records_true_amaxes_and_applies_where_measurin
     assert min(g_rows.values()) == 0.0  # what the calibrating step is for
 
     calibrated, metrics = first_step(fresh, tokens, rng)
-    current, _ = step(_small_state(model, params, "current"), tokens, rng)
+    current, _ = step(fresh_state("current"), tokens, rng)
     assert int(metrics["skipped_steps"]) == 0 and bool(metrics["grads_finite"])
     assert calibrated.fp8_state.recipe == "delayed" and not bool(
         fp8.measuring(calibrated.fp8_state)
@@ -588,12 +592,9 @@ def test_a_calibrating_step_fills_a_site_that_joined_a_state_with_history():
     """A site added fresh to a state that has history (`carry_over`: adaptive precision moved a
     module back to fp8) is not a measuring state: the plain step would quantise it by scales of
     1 and apply the update. The calibrating step records its amaxes and updates its weights."""
-    model = jamp.wrap(_lm(), "mixed_fp8")
-    params = model.init(jax.random.key(0), _tokens()[:, :-1])["params"]
-    tx, rng = optax.sgd(1.0), jax.random.key(1)
-    step = jax.jit(jamp.make_train_step(_small_loss_fn(model), tx))
-    first_step = jax.jit(fp8.calibrating(jamp.make_train_step(_small_loss_fn(model), tx)))
-    state, _ = first_step(_small_state(model, params), _tokens(0), rng)
+    model, params, fresh_state, step, first_step = _small_setup()
+    rng = jax.random.key(1)
+    state, _ = first_step(fresh_state(), _tokens(0), rng)
     state, _ = step(state, _tokens(1), rng)
     joined = next(n for n in state.fp8_state.sites if "DecoderBlock_0/Dense_0" in n)
     kept = {n: s for n, s in state.fp8_state.sites.items() if n != joined}
