@@ -119,7 +119,8 @@ def test_train_step_matches_the_loss_without_recomputation(monkeypatch):
 def test_h200_train_step_keeps_no_float32_logits_with_optax_loss():
     """make_train_step of a wrapped LM with optax's loss on the float32 logits, H200 program
     (XLA's plan, not a measured peak): without recomputation a float32 batch x length x vocab
-    array is live at the peak; with it, none (what float32 is left is the params' gradients)."""
+    array is live at the peak; with it, none (what float32 is left is the params' gradients);
+    and the forward reads the logits in two reductions, not three."""
     from jamp.models.transformer import TransformerLM
 
     batch, length, vocab = 8, 128, 8192
@@ -141,13 +142,24 @@ def test_h200_train_step_keeps_no_float32_logits_with_optax_loss():
             {},
         )
 
-    def f32_at_peak():
+    def compiled():
         step = jax.jit(jamp.make_train_step(loss_fn, tx))
-        report = jamp.compile_for(step, state, tokens, key, target="h200")
-        return report.memory.temporaries_by_dtype["f32"]
+        return jamp.compile_for(step, state, tokens, key, target="h200")
 
+    report = compiled()
     logits_f32 = batch * length * vocab * 4
-    assert f32_at_peak() < logits_f32 / 2
+    assert report.memory.temporaries_by_dtype["f32"] < logits_f32 / 2
+    # Forward, the loss reads the 16-bit logits twice (their maxima, then the sum of exponentials)
+    # and gathers the labels' logits: no third pass over them for the pick.
+    from jamp import hlo
+    from jamp.hlo.kernels import kernels
+
+    passes = [
+        k
+        for k in kernels(hlo.parse(report.hlo_text))
+        if k.kind == "reduction" and "transpose(" not in k.op_name and k.bytes >= logits_f32 / 2
+    ]
+    assert len(passes) == 2, [(k.name, k.op_name) for k in passes]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_tail, "MIN_ELEMENTS", 1 << 62)
-        assert f32_at_peak() >= logits_f32
+        assert compiled().memory.temporaries_by_dtype["f32"] >= logits_f32

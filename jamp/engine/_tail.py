@@ -16,9 +16,11 @@ matmul, no loop, no effect), and evaluates those consumers (the tail) under `jax
 * what it computes of the widened value's size is recomputed there from the 16-bit value, inside
   the backward's own elementwise kernel: no logits-sized float32 buffer is kept or written;
 * a gather that picks one element per row along the last axis (`take_along_axis` of the labels)
-  is evaluated as a comparison with the index and a sum, whose backward is a select (no scatter).
-  Out-of-range indices get what the gather's mode gives them (`clip`: the nearest; `fill`: its
-  fill value, NaN by default).
+  stays a gather forward (one element read per row: no third pass over the logits beside the
+  log-normalizer's two), and its backward is a select where the index hits, fused into the
+  backward's elementwise kernel (no scatter into a float32 zero array). Out-of-range indices get
+  what the gather's mode gives them (`clip`: the nearest; `fill`: its fill value, NaN by
+  default) and no gradient outside `clip`.
 
 Values and gradients are those of `fn`, computed by the same operations in the same dtypes.
 `fn` runs as traced when it has no such tail.
@@ -133,23 +135,32 @@ def _picks_last_axis(eqn, operand) -> bool:
 
 
 def _pick(eqn, x, indices):
-    """The gather `eqn` of one element per row of `x`'s last axis, as a comparison and a sum."""
+    """The gather `eqn` of one element per row of `x`'s last axis: the gather itself forward
+    (it reads one element per row), and as its transpose a select of the cotangent where the
+    index hits (fused into the backward's elementwise kernel), not a scatter into zeros."""
     vocab = x.shape[-1]
-    idx = indices[..., 0]  # [*batch, *extra]
-    extra = idx.ndim - (x.ndim - 1)
-    rows = x.reshape(x.shape[:-1] + (1,) * extra + (vocab,))
     mode = eqn.params.get("mode")
     clipped = "CLIP" in str(mode) or "PROMISE" in str(mode)
-    if clipped:
-        idx = jnp.clip(idx, 0, vocab - 1)
-    hit = lax.broadcasted_iota(idx.dtype, idx.shape + (vocab,), idx.ndim) == idx[..., None]
-    picked = jnp.sum(jnp.where(hit, rows, jnp.zeros((), x.dtype)), axis=-1)
-    if not clipped:
-        fill = eqn.params.get("fill_value")
-        fill = np.nan if fill is None and jnp.issubdtype(x.dtype, jnp.inexact) else fill
-        inside = (idx >= 0) & (idx < vocab)
-        picked = jnp.where(inside, picked, jnp.asarray(0 if fill is None else fill, x.dtype))
-    return picked.astype(eqn.outvars[0].aval.dtype)
+
+    @jax.custom_vjp
+    def pick(x, indices):
+        return V.bind(eqn, [x, indices], eqn.params)[0]
+
+    def forward(x, indices):
+        return pick(x, indices), indices
+
+    def backward(indices, g):
+        idx = indices[..., 0]  # [*batch, *extra]
+        extra = idx.ndim - (x.ndim - 1)
+        if clipped:
+            idx = jnp.clip(idx, 0, vocab - 1)  # out of range outside `clip`: no element is hit
+        hit = lax.broadcasted_iota(idx.dtype, idx.shape + (vocab,), idx.ndim) == idx[..., None]
+        spread = jnp.where(hit, g[..., None].astype(x.dtype), jnp.zeros((), x.dtype))
+        axes = tuple(range(x.ndim - 1, x.ndim - 1 + extra))
+        return (jnp.sum(spread, axis=axes) if axes else spread), None
+
+    pick.defvjp(forward, backward)
+    return pick(x, indices)
 
 
 @dataclasses.dataclass
