@@ -135,6 +135,72 @@ def test_kernels_kinds_bytes_flops_and_loop_counts():
     assert sliced.op_name == "jit(step)/jvp(loss)/dot_general"
 
 
+_GATHER = """HloModule jit_pick
+
+%fused_pick (p0: bf16[8192,50304], p1: s32[8192,1]) -> f32[8192] {
+  %p0_pick = bf16[8192,50304]{1,0} parameter(0)
+  %w_pick = f32[8192,50304]{1,0} convert(%p0_pick)
+  %p1_pick = s32[8192,1]{1,0} parameter(1)
+  %g_pick = f32[8192,1]{1,0} gather(%w_pick, %p1_pick), offset_dims={1}, collapsed_slice_dims={}, start_index_map={1}, index_vector_dim=1, slice_sizes={1,1}
+  ROOT %b_pick = f32[8192]{0} bitcast(%g_pick)
+}
+
+%fused_rows (p0: f32[50304,768], p1: s32[4096,1]) -> f32[4096,768] {
+  %p0_rows = f32[50304,768]{1,0} parameter(0)
+  %p1_rows = s32[4096,1]{1,0} parameter(1)
+  ROOT %g_rows = f32[4096,768]{1,0} gather(%p0_rows, %p1_rows), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,768}
+}
+
+%fused_both (p0: bf16[64,1024]) -> (f32[64,1024], f32[64,1]) {
+  %p0_both = bf16[64,1024]{1,0} parameter(0)
+  %w_both = f32[64,1024]{1,0} convert(%p0_both)
+  %s_both = f32[64,1]{1,0} slice(%w_both), slice={[0:64], [0:1]}
+  ROOT %t_both = (f32[64,1024]{1,0}, f32[64,1]{1,0}) tuple(%w_both, %s_both)
+}
+
+%add_s (a: f32[], b: f32[]) -> f32[] {
+  %a_s = f32[] parameter(0)
+  %b_s = f32[] parameter(1)
+  ROOT %c_s = f32[] add(%a_s, %b_s)
+}
+
+%fused_grad (p0: f32[50304,768], p1: s32[4096,1], p2: bf16[4096,768]) -> f32[50304,768] {
+  %p0_grad = f32[50304,768]{1,0} parameter(0)
+  %p1_grad = s32[4096,1]{1,0} parameter(1)
+  %p2_grad = bf16[4096,768]{1,0} parameter(2)
+  %u_grad = f32[4096,768]{1,0} convert(%p2_grad)
+  ROOT %s_grad = f32[50304,768]{1,0} scatter(%p0_grad, %p1_grad, %u_grad), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add_s
+}
+
+ENTRY %main (a: bf16[8192,50304], i: s32[8192,1], e: f32[50304,768], j: s32[4096,1], x: bf16[64,1024]) -> f32[8192] {
+  %a = bf16[8192,50304]{1,0} parameter(0)
+  %i = s32[8192,1]{1,0} parameter(1)
+  %e = f32[50304,768]{1,0} parameter(2)
+  %j = s32[4096,1]{1,0} parameter(3)
+  %x = bf16[64,1024]{1,0} parameter(4)
+  %rows = f32[4096,768]{1,0} fusion(%e, %j), kind=kLoop, calls=%fused_rows
+  %both = (f32[64,1024]{1,0}, f32[64,1]{1,0}) fusion(%x), kind=kLoop, calls=%fused_both
+  %dx = bf16[4096,768]{1,0} parameter(5)
+  %grad = f32[50304,768]{1,0} fusion(%e, %j, %dx), kind=kInput, calls=%fused_grad
+  ROOT %pick = f32[8192]{0} fusion(%a, %i), kind=kLoop, calls=%fused_pick
+}"""
+
+
+def test_gathers_and_scatters_move_the_elements_they_index_not_their_whole_operand():
+    found = {k.name: k for k in kernels(hlo.parse(_GATHER))}
+    # one label's logit per row, of 16-bit logits widened first: a 32-byte sector each, not the
+    # 786 MiB of logits; then the indices read and the picks written
+    assert found["pick"].bytes == 8192 * 32 + 8192 * 4 + 8192 * 4
+    # an embedding's rows: each row whole (768 float32s are 96 sectors)
+    assert found["rows"].bytes == 4096 * 768 * 4 + 4096 * 4 + 4096 * 768 * 4
+    # a converted value also used whole: the whole operand is read
+    assert found["both"].bytes == 64 * 1024 * 2 + 64 * 1024 * 4 + 64 * 4
+    # an embedding's gradient, scattered into the head's in place: the updated rows read and
+    # written, the updates and indices read (not the 154 MB buffer twice)
+    rows = 4096 * 768
+    assert found["grad"].bytes == rows * 4 + 4096 * 4 + rows * 2 + rows * 4
+
+
 def test_estimate_is_a_roofline_per_kernel_plus_its_launch():
     rates = timing.Rates(launch=5e-6, memory=0.5, matmul=0.5, attention=0.5)
     est = timing.estimate(hlo.parse(_PROGRAM), H200, rates)

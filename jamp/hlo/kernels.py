@@ -8,8 +8,9 @@ entry computation's order, a loop body's as often as its trip count. For each on
   fused attention), "reduction" (XLA's input fusions, whose root reduces), "elementwise" (loop
   fusions), "transpose", "scatter", "copy", "collective", or "other";
 * the bytes it reads and writes: its operands and results, where a fusion reads only slices of
-  an operand the slices, and an in-place update (a dynamic-update-slice root: a scan's carry)
-  only the update;
+  an operand the slices, where it gathers from one (a label's logit, an embedding's rows) each
+  index's slice in whole 32-byte sectors, and an in-place update (a dynamic-update-slice root:
+  a scan's carry; a scatter: an embedding's gradient) only the elements it updates;
 * the FLOPs of its matrix units (GEMMs, convolutions, attention's two or five GEMMs; causal
   attention counts half) and the dtype they run in ("bf16", "f16", "f8", "f32": TF32 on a GPU).
 
@@ -22,12 +23,13 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Optional
 
 import numpy as np
 
 from jamp.hlo.gemms import Gemm, gemms
-from jamp.hlo.text import Instruction, Program, array_bytes
+from jamp.hlo.text import ITEMSIZE, Instruction, Program, array_bytes
 
 KINDS = (
     "gemm",
@@ -75,6 +77,8 @@ COLLECTIVE_OPS = frozenset(
 )
 _SLICES = frozenset({"slice", "dynamic-slice"})
 _VIEWS = frozenset({"bitcast", "reshape"})
+_SLICE_SIZES = re.compile(r"slice_sizes=\{([^}]*)\}")
+_SECTOR = 32  # bytes: the unit a GPU reads memory in
 # Control flow whose called computations run as kernel sequences of their own.
 _CONTROL = frozenset({"while", "call", "conditional"})
 
@@ -146,29 +150,64 @@ def _body(program: Program, inst: Instruction) -> list[Instruction]:
     return [i for name in inst.calls for i in program.computations.get(name, ())]
 
 
+def _gathered_bytes(gather: Instruction, itemsize: int) -> int:
+    """What a gather reads of its operand: each index's slice, in whole 32-byte sectors (the
+    GPU's memory transaction), in the operand's element size."""
+    m = _SLICE_SIZES.search(gather.attributes)
+    per = int(np.prod([int(d) for d in m.group(1).split(",") if d.strip()])) if m else 1
+    per = max(per, 1)
+    indices = int(np.prod(gather.shape, dtype=np.int64)) // per
+    return indices * -(-per * itemsize // _SECTOR) * _SECTOR
+
+
+def _elements(inst: Instruction) -> int:
+    return int(np.prod(inst.shape, dtype=np.int64))
+
+
+def _scatter_update(inst: Instruction, by_name: dict) -> Optional[Instruction]:
+    """The updates of a scatter into one array (which it updates in place), else None."""
+    if inst.op != "scatter" or len(inst.operands) != 3:
+        return None
+    target = by_name.get(inst.operands[0])
+    while target is not None and target.op in _VIEWS and target.operands:
+        target = by_name.get(target.operands[0])
+    if target is None or target.op != "parameter":  # a computed target is written whole
+        return None
+    return by_name.get(inst.operands[2])
+
+
 def _param_reads(body: list[Instruction]) -> dict[int, Optional[int]]:
     """Per parameter number of a fused computation, the bytes it reads of that operand where it
-    reads less than all of it (slices; 0 for the buffer an in-place update writes into), else
-    None."""
+    reads less than all of it (slices and gathers, also of its converted values; 0 for the
+    buffer a dynamic-update-slice writes into, the updated elements of a scatter's), else None."""
     users: dict[str, list[Instruction]] = {}
     for i in body:
         for operand in i.operands:
             users.setdefault(operand, []).append(i)
+    by_name = {i.name: i for i in body}
     out: dict[int, Optional[int]] = {}
     for param in body:
         if param.op != "parameter" or not param.args.strip().isdigit():
             continue
+        itemsize = ITEMSIZE.get(param.dtype, 4)
         reads: list[int] = []
         todo, partial = [param.name], True
         while todo and partial:
             name = todo.pop()
             for user in users.get(name, ()):
-                if user.op in _VIEWS:
+                if user.op in _VIEWS or (user.op == "convert" and len(user.operands) == 1):
                     todo.append(user.name)
                 elif user.op in _SLICES and user.operands[:1] == (name,):
-                    reads.append(user.nbytes)
+                    reads.append(_elements(user) * itemsize)
+                elif user.op == "gather" and user.operands[:1] == (name,):
+                    reads.append(_gathered_bytes(user, itemsize))
                 elif user.op == "dynamic-update-slice" and user.operands[:1] == (name,):
                     reads.append(0)
+                elif (update := _scatter_update(user, by_name)) is not None and user.operands[
+                    :1
+                ] == (name,):
+                    # in place: what it reads of its target is the elements it updates
+                    reads.append(_elements(update) * itemsize)
                 else:
                     partial = False
                     break
@@ -177,7 +216,8 @@ def _param_reads(body: list[Instruction]) -> dict[int, Optional[int]]:
 
 
 def _written(body: list[Instruction], result_bytes: int) -> int:
-    """Bytes a fusion writes: its results, but only the update of an in-place update."""
+    """Bytes a fusion writes: its results, but only the update of an in-place update (a
+    dynamic-update-slice's or a scatter's)."""
     by_name = {i.name: i for i in body}
     root = next((i for i in body if i.root), None)
     if root is None:
@@ -189,6 +229,8 @@ def _written(body: list[Instruction], result_bytes: int) -> int:
             r = by_name[r.operands[0]]
         if r.op == "dynamic-update-slice" and len(r.operands) > 1 and r.operands[1] in by_name:
             total += by_name[r.operands[1]].nbytes
+        elif (update := _scatter_update(r, by_name)) is not None:
+            total += _elements(update) * ITEMSIZE.get(r.dtype, 4)
         else:
             total += r.nbytes
     return total
