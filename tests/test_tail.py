@@ -2,7 +2,6 @@
 backward instead of keeping float32 copies (the same values and gradients), and on the H200
 program of a wrapped language model's train step no float32 logits are left at the peak."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,31 +84,68 @@ def test_label_pick_keeps_the_gathers_out_of_range_rule(mode):
     assert "scatter" not in str(jaxpr)  # the pick's backward is a select, not a scatter
 
 
-def test_train_step_matches_the_loss_without_recomputation(monkeypatch):
-    class Head(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return nn.Dense(VOCAB)(nn.Dense(D)(x))
+@pytest.mark.parametrize("shape", [(1, 64), (64, 1), (64,), (2, 1, 32), (1, 1, 64)])
+def test_label_pick_of_a_batch_with_axes_of_one(shape):
+    """`take_along_axis` gathers axes of size 1 as offsets, not batching axes (one sequence per
+    device; one position): the pick is still a gather forward and a select backward."""
+    k = jax.random.split(jax.random.key(3), 2)
+    w = jax.random.normal(k[0], (D, VOCAB)) * 0.5
+    x = jax.random.normal(k[1], shape + (D,))
+    y = jax.random.randint(k[1], shape, 0, VOCAB)
 
-    model = jamp.wrap(Head(), "mixed_bfloat16")
+    def loss(w, x, y):
+        logits = (x.astype(BF16) @ w.astype(BF16)).astype(F32)
+        picked = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
+        return jnp.sum(jax.nn.logsumexp(logits, axis=-1) - picked * 1.5), {}
+
+    (value, _), grad = _grad(loss, w, x, y)
+    (value2, _), grad2 = _grad(recompute_widened(loss), w, x, y)
+    np.testing.assert_allclose(value2, value, rtol=1e-6)
+    np.testing.assert_allclose(grad2, grad, rtol=1e-5, atol=1e-6)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda w: recompute_widened(loss)(w, x, y)[0]))(w)
+    assert "scatter" not in str(jaxpr)
+
+
+@pytest.mark.parametrize("layout", ["jit", "accumulate", "pmap"])
+def test_train_step_matches_the_loss_without_recomputation(monkeypatch, layout):
+    """make_train_step's step (and its microbatches, and each replica's share under pmap) with the
+    tail recomputed, against the same step with the loss as written: the same loss and update."""
     w, x, y = _data()
-    params = model.init(jax.random.key(1), x)["params"]
+    params = {"w": w}
     tx = optax.sgd(0.1)
+    found = []
+    find_tail = _tail.find_tail
+    monkeypatch.setattr(_tail, "find_tail", lambda j: found.append(find_tail(j)) or found[-1])
 
-    def loss_fn(p, model_state, batch, rng):
-        logits = model.apply({"params": p}, batch["x"])
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    def loss_fn(p, model_state, batch, rng):  # a bf16 head widened, then optax's loss
+        loss, _ = _optax_loss(p["w"], batch["x"], batch["y"])
         return loss, (model_state, {})
 
     def run():
         state = jamp.TrainState.create(params, tx)
-        return jax.jit(jamp.make_train_step(loss_fn, tx))(
-            state, {"x": x, "y": y}, jax.random.key(2)
+        batch, key = {"x": x, "y": y}, jax.random.key(2)
+        if layout == "pmap":
+            step = jamp.parallel.make_p_train_step(
+                jamp.make_train_step(loss_fn, tx, axis_name="batch"), axis_name="batch"
+            )
+            devices = 4
+            state, metrics = step(
+                jamp.parallel.replicate(state, devices=jax.devices()[:devices]),
+                jamp.parallel.shard(batch, devices),
+                key,
+            )
+            return jamp.parallel.unreplicate(state), jamp.parallel.unreplicate(metrics)
+        steps = 2 if layout == "accumulate" else 1
+        return jax.jit(jamp.make_train_step(loss_fn, tx, accumulation_steps=steps))(
+            state, batch, key
         )
 
     state, metrics = run()
+    assert found and all(tail for tail, _ in found)  # the step did recompute a tail
+    del found[:]
     monkeypatch.setattr(_tail, "MIN_ELEMENTS", 1 << 62)  # no tail: the loss as written
     state_ref, metrics_ref = run()
+    assert found and not any(tail for tail, _ in found)
     np.testing.assert_allclose(metrics["loss"], metrics_ref["loss"], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(state_ref.params)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -15,8 +15,8 @@ matmul, no loop, no effect), and evaluates those consumers (the tail) under `jax
   the picked logits) is kept, by name, for the backward;
 * what it computes of the widened value's size is recomputed there from the 16-bit value, inside
   the backward's own elementwise kernel: no logits-sized float32 buffer is kept or written;
-* a gather that picks one element per row along the last axis (`take_along_axis` of the labels)
-  stays a gather forward (one element read per row: no third pass over the logits beside the
+* a gather that picks elements along the last axis (`take_along_axis` of the labels, also over
+  a batch with axes of size 1, which it gathers as offsets) stays a gather forward (one element read per row: no third pass over the logits beside the
   log-normalizer's two), and its backward is a select where the index hits, fused into the
   backward's elementwise kernel (no scatter into a float32 zero array). Out-of-range indices get
   what the gather's mode gives them (`clip`: the nearest; `fill`: its fill value, NaN by
@@ -114,30 +114,45 @@ def find_tail(jaxpr: jcore.Jaxpr) -> tuple[set[int], int]:
     return tail, smallest
 
 
-def _picks_last_axis(eqn, operand) -> bool:
-    """Whether a gather picks one element per row along its operand's last axis (the form of
-    `jnp.take_along_axis(x, idx[..., None], axis=-1)`)."""
+def _pick_form(eqn, operand) -> str | None:
+    """How a gather picks elements along its operand's last axis: "batched" (every other axis a
+    batching axis, one or more picks per row: `jnp.take_along_axis(x, idx, axis=-1)`), "rows"
+    (one pick per row, the operand's axes of size 1 taken as offsets, as `take_along_axis` does
+    for them: a batch of one sequence), or None for any other gather."""
     if eqn.primitive.name != "gather":
-        return False
+        return None
     dn = eqn.params["dimension_numbers"]
     nd = np.ndim(operand)
+    if (
+        nd < 1
+        or tuple(dn.collapsed_slice_dims) != (nd - 1,)
+        or tuple(dn.start_index_map) != (nd - 1,)
+        or any(s != 1 for s in eqn.params["slice_sizes"])
+        or eqn.invars[1].aval.shape[-1] != 1
+    ):
+        return None
+    on = tuple(getattr(dn, "operand_batching_dims", ()))
+    among = tuple(getattr(dn, "start_indices_batching_dims", ()))
     batch = tuple(range(nd - 1))
-    return (
-        nd >= 1
-        and tuple(dn.offset_dims) == ()
-        and tuple(dn.collapsed_slice_dims) == (nd - 1,)
-        and tuple(dn.start_index_map) == (nd - 1,)
-        and tuple(getattr(dn, "operand_batching_dims", ())) == batch
-        and tuple(getattr(dn, "start_indices_batching_dims", ())) == batch
-        and all(s == 1 for s in eqn.params["slice_sizes"])
-        and eqn.invars[1].aval.shape[-1] == 1
-    )
+    if tuple(dn.offset_dims) == () and on == batch and among == batch:
+        return "batched"
+    shape = np.shape(operand)
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    if (
+        all(shape[d] == 1 for d in batch if d not in on)
+        and list(on) == sorted(on)
+        and list(among) == sorted(among)
+        and _size(eqn.outvars[0].aval) == rows
+    ):  # the axes that are not batching axes have size 1: picks and rows in the same order
+        return "rows"
+    return None
 
 
-def _pick(eqn, x, indices):
-    """The gather `eqn` of one element per row of `x`'s last axis: the gather itself forward
-    (it reads one element per row), and as its transpose a select of the cotangent where the
-    index hits (fused into the backward's elementwise kernel), not a scatter into zeros."""
+def _pick(eqn, form: str, x, indices):
+    """The gather `eqn`, of elements along `x`'s last axis (`form`: see `_pick_form`): the gather
+    itself forward (it reads one element per pick), and as its transpose a select of the
+    cotangent where the index hits (fused into the backward's elementwise kernel), not a scatter
+    into zeros."""
     vocab = x.shape[-1]
     mode = eqn.params.get("mode")
     clipped = "CLIP" in str(mode) or "PROMISE" in str(mode)
@@ -150,6 +165,8 @@ def _pick(eqn, x, indices):
         return pick(x, indices), indices
 
     def backward(indices, g):
+        if form == "rows":  # one pick per row, in the rows' order
+            indices, g = indices.reshape(x.shape[:-1] + (1,)), g.reshape(x.shape[:-1])
         idx = indices[..., 0]  # [*batch, *extra]
         extra = idx.ndim - (x.ndim - 1)
         if clipped:
@@ -188,8 +205,8 @@ def _run(jaxpr, consts, args, keep_below: int) -> list:
             if eqn.primitive.name in _JIT:
                 closed = eqn.params["jaxpr"]
                 outs = _run(closed.jaxpr, closed.consts, invals, keep_below)
-            elif _picks_last_axis(eqn, invals[0]) and np.size(invals[0]) >= keep_below:
-                outs = [_pick(eqn, *invals)]
+            elif (form := _pick_form(eqn, invals[0])) and np.size(invals[0]) >= keep_below:
+                outs = [_pick(eqn, form, *invals)]
             else:
                 outs = V.bind(eqn, invals, eqn.params)
         for var, out in zip(eqn.outvars, outs):
