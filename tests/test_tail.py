@@ -199,3 +199,36 @@ def test_h200_train_step_keeps_no_float32_logits_with_optax_loss():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_tail, "MIN_ELEMENTS", 1 << 62)
         assert compiled().memory.temporaries_by_dtype["f32"] >= logits_f32
+
+
+@pytest.mark.gpu_compile
+def test_h200_a_biased_head_keeps_no_float32_logits():
+    """A head with a bias (flax's `nn.Dense` default): its bias gradient, a reduction over the
+    logits' gradient, made XLA write that gradient in float32 (a float32 logits-sized buffer at
+    the peak); written in bf16 first, nothing float32 of the logits' size is left."""
+    import flax.linen as nn
+
+    batch, length, vocab, d = 8, 128, 8192, 128
+
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, t):
+            x = nn.Dense(d)(nn.LayerNorm()(nn.Embed(vocab, d)(t)))
+            return nn.Dense(vocab)(nn.LayerNorm()(x))
+
+    model = jamp.wrap(LM(), "mixed_bfloat16")
+    tx = optax.adamw(1e-3)
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    state = jax.eval_shape(lambda: jamp.TrainState.create(params, tx))
+    tokens = {"tokens": jax.ShapeDtypeStruct((batch, length + 1), jnp.int32)}
+    key = jax.eval_shape(lambda: jax.random.key(0))
+
+    def loss_fn(p, model_state, batch_, rng):
+        t = batch_["tokens"]
+        logits = model.apply({"params": p}, t[:, :-1])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
+        return loss, (model_state, {})
+
+    step = jax.jit(jamp.make_train_step(loss_fn, tx))
+    report = jamp.compile_for(step, state, tokens, key, target="h200")
+    assert report.memory.temporaries_by_dtype["f32"] < batch * length * vocab * 4 / 2

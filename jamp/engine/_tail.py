@@ -180,6 +180,28 @@ def _pick(eqn, form: str, x, indices):
     return pick(x, indices)
 
 
+@jax.custom_vjp
+def _gradient_written(x):
+    """`x`, whose gradient is written out whole in its own dtype before anything reads it.
+
+    The gradient of the 16-bit logits is one elementwise kernel over the recomputed tail, read by
+    the head's two GEMMs; where a reduction reads it too (a biased head's bias gradient), XLA
+    writes the tail's float32 result for that reduction to convert and sum (twice the bytes, a
+    float32 logits-sized buffer). Written in 16 bits first, each reader reads that."""
+    return x
+
+
+def _gradient_written_fwd(x):
+    return x, None
+
+
+def _gradient_written_bwd(_, g):
+    return (lax.optimization_barrier(g),)
+
+
+_gradient_written.defvjp(_gradient_written_fwd, _gradient_written_bwd)
+
+
 @dataclasses.dataclass
 class _Program:
     """The part of a jaxpr that `_run` reads (a `jcore.Jaxpr` would want JAX's debug info)."""
@@ -243,9 +265,10 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts, args, tail: set[int], keep_below: int)
     # No barrier against XLA's common-subexpression elimination: with one, the gradient of the
     # 16-bit logits cannot take the logits' own buffer (H200 program of GPT-2 small: one more
     # bf16 logits-sized buffer, +786 MiB, at the peak); without, nothing float32 is kept either.
+    widened = {e.invars[0] for e in rest if _is_seed(e)}
     values = jax.checkpoint(
         lambda *xs: _run(sub, [], xs, keep_below), policy=policy, prevent_cse=False
-    )(*[read(v) for v in needed])
+    )(*[_gradient_written(read(v)) if v in widened else read(v) for v in needed])
     env.update(zip(outs, values))
     return [read(v) for v in jaxpr.outvars]
 
