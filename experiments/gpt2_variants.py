@@ -11,6 +11,9 @@ the logits cast to float32):
                     the same with jamp.losses' cross-entropy (no float32 copy of the logits)
   lm_jamp_bf16_chunked  the same with jamp.losses.fused_linear_cross_entropy (the head applied
                     by the loss in chunks of positions: no logits formed)
+  lm_jamp_bf16_onehot
+                    the same with the loss on one-hot labels (`optax.softmax_cross_entropy`, as
+                    Hugging Face's Flax language-modelling example writes it)
   lm_jamp_f16       jamp.wrap(model, "mixed_float16") + make_train_step, dynamic loss scale
   lm_jamp_fp8       jamp.wrap(model, "mixed_fp8") + make_train_step, delayed scaling (history 16)
   lm_hand_bf16      the same network written by hand in bf16 Flax (peers_flax.HandLM) with
@@ -56,6 +59,7 @@ VARIANTS = (
     "lm_jamp_bf16",
     "lm_jamp_bf16_losses",
     "lm_jamp_bf16_chunked",
+    "lm_jamp_bf16_onehot",
     "lm_jamp_f16",
     "lm_jamp_fp8",
     "lm_hand_bf16",
@@ -162,6 +166,11 @@ def _loss(logits, tokens):
     ).mean()
 
 
+def _onehot_loss(logits, tokens):
+    labels = jax.nn.one_hot(tokens[:, 1:], logits.shape[-1])
+    return optax.softmax_cross_entropy(logits.astype(jnp.float32), labels).mean()
+
+
 def _jamp_loss(logits, tokens):
     return jamp.losses.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
@@ -173,9 +182,9 @@ def build(name: str, batch: int = 8, quick: bool = False, shape: dict | None = N
         raise ValueError(f"unknown variant {name!r}; variants: {', '.join(VARIANTS)}")
     shape = shape or (QUICK if quick else GPT2)
     family, kind = name.split("_", 1)
-    loss_of = _jamp_loss if kind.endswith("_losses") else _loss
+    loss_of = {"_losses": _jamp_loss, "_onehot": _onehot_loss}.get(kind[kind.rfind("_") :], _loss)
     chunked = kind.endswith("_chunked")
-    kind = kind.removesuffix("_losses").removesuffix("_chunked")
+    kind = kind.removesuffix("_losses").removesuffix("_chunked").removesuffix("_onehot")
     policy = POLICIES.get(kind)
     wrap_policy = policy or ("mixed_bfloat16" if kind == "plain_bf16" else None)
     if family == "lm" and kind == "hand_bf16":

@@ -58,6 +58,7 @@ _COSTLY = frozenset(
     }
 )
 _JIT = ("jit", "pjit")
+_REDUCTIONS = frozenset({"reduce_max", "reduce_min", "reduce_sum", "reduce_prod", "argmax", "argmin"})
 
 
 def _size(aval) -> int:
@@ -231,6 +232,11 @@ def _run(jaxpr, consts, args, keep_below: int) -> list:
                 outs = [_pick(eqn, form, *invals)]
             else:
                 outs = V.bind(eqn, invals, eqn.params)
+        if eqn.primitive.name in _REDUCTIONS and np.size(invals[0]) >= keep_below:
+            # A row's statistic of the large value: XLA's Triton softmax fusion would otherwise
+            # join it and the elementwise work that reads it into one kernel writing a float32
+            # result of the large value's size (log_softmax's, for a one-hot label's product).
+            outs = [lax.optimization_barrier(o) for o in outs]
         for var, out in zip(eqn.outvars, outs):
             if isinstance(var, jcore.DropVar):
                 continue
