@@ -58,7 +58,9 @@ _COSTLY = frozenset(
     }
 )
 _JIT = ("jit", "pjit")
-_REDUCTIONS = frozenset({"reduce_max", "reduce_min", "reduce_sum", "reduce_prod", "argmax", "argmin"})
+_REDUCTIONS = frozenset(
+    {"reduce_max", "reduce_min", "reduce_sum", "reduce_prod", "argmax", "argmin"}
+)
 
 
 def _size(aval) -> int:
