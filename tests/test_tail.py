@@ -168,54 +168,57 @@ def test_train_step_matches_the_loss_without_recomputation(monkeypatch, layout):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+_LM_BATCH, _LM_LENGTH, _LM_VOCAB = 8, 128, 8192
+_LOGITS_F32 = _LM_BATCH * _LM_LENGTH * _LM_VOCAB * 4
+
+
+def _h200_step(model, form: str):
+    """make_train_step of the wrapped LM `model`, the loss `_FORMS[form]` on its logits (as users
+    write it), compiled for one H200 (jamp.compile_for's report)."""
+    tx = optax.adamw(1e-3)
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    state = jax.eval_shape(lambda: jamp.TrainState.create(params, tx))
+    tokens = {"tokens": jax.ShapeDtypeStruct((_LM_BATCH, _LM_LENGTH + 1), jnp.int32)}
+    key = jax.eval_shape(lambda: jax.random.key(0))
+
+    def loss_fn(p, model_state, batch_, rng):
+        t = batch_["tokens"]
+        logits = model.apply({"params": p}, t[:, :-1]).astype(jnp.float32)
+        return _FORMS[form](logits, t[:, 1:]).mean(), (model_state, {})
+
+    step = jax.jit(jamp.make_train_step(loss_fn, tx))
+    return jamp.compile_for(step, state, tokens, key, target="h200")
+
+
 @pytest.mark.gpu_compile
 def test_h200_train_step_keeps_no_float32_logits_with_optax_loss():
     """make_train_step of a wrapped LM with optax's loss on the float32 logits, H200 program
     (XLA's plan, not a measured peak): without recomputation a float32 batch x length x vocab
     array is live at the peak; with it, none (what float32 is left is the params' gradients);
     and the forward reads the logits in two reductions, not three."""
-    from jamp.models.transformer import TransformerLM
-
-    batch, length, vocab = 8, 128, 8192
-    model = jamp.wrap(
-        TransformerLM(vocab, num_layers=2, d_model=128, num_heads=2, mlp_dim=256, max_len=length),
-        "mixed_bfloat16",
-    )
-    tx = optax.adamw(1e-3)
-    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
-    state = jax.eval_shape(lambda: jamp.TrainState.create(params, tx))
-    tokens = {"tokens": jax.ShapeDtypeStruct((batch, length + 1), jnp.int32)}
-    key = jax.eval_shape(lambda: jax.random.key(0))
-
-    def loss_fn(p, model_state, batch_, rng):
-        t = batch_["tokens"]
-        logits = model.apply({"params": p}, t[:, :-1]).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean(), (
-            model_state,
-            {},
-        )
-
-    def compiled():
-        step = jax.jit(jamp.make_train_step(loss_fn, tx))
-        return jamp.compile_for(step, state, tokens, key, target="h200")
-
-    report = compiled()
-    logits_f32 = batch * length * vocab * 4
-    assert report.memory.temporaries_by_dtype["f32"] < logits_f32 / 2
-    # Forward, the loss reads the 16-bit logits twice (their maxima, then the sum of exponentials)
-    # and gathers the labels' logits: no third pass over them for the pick.
     from jamp import hlo
     from jamp.hlo.kernels import kernels
+    from jamp.models.transformer import TransformerLM
 
+    model = jamp.wrap(
+        TransformerLM(
+            _LM_VOCAB, num_layers=2, d_model=128, num_heads=2, mlp_dim=256, max_len=_LM_LENGTH
+        ),
+        "mixed_bfloat16",
+    )
+    report = _h200_step(model, "integer labels")
+    assert report.memory.temporaries_by_dtype["f32"] < _LOGITS_F32 / 2
+    # Forward, the loss reads the 16-bit logits twice (their maxima, then the sum of exponentials)
+    # and gathers the labels' logits: no third pass over them for the pick.
     passes = [
         k
         for k in kernels(hlo.parse(report.hlo_text))
-        if k.kind == "reduction" and "transpose(" not in k.op_name and k.bytes >= logits_f32 / 2
+        if k.kind == "reduction" and "transpose(" not in k.op_name and k.bytes >= _LOGITS_F32 / 2
     ]
     assert len(passes) == 2, [(k.name, k.op_name) for k in passes]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_tail, "MIN_ELEMENTS", 1 << 62)
-        assert compiled().memory.temporaries_by_dtype["f32"] >= logits_f32
+        assert _h200_step(model, "integer labels").memory.temporaries_by_dtype["f32"] >= _LOGITS_F32
 
 
 @pytest.mark.gpu_compile
@@ -232,26 +235,11 @@ def test_h200_losses_as_written_keep_no_float32_logits(form, bias):
       with the labels, unless the row statistics stand apart."""
     import flax.linen as nn
 
-    batch, length, vocab, d = 8, 128, 8192, 128
-
     class LM(nn.Module):
         @nn.compact
         def __call__(self, t):
-            x = nn.Dense(d)(nn.LayerNorm()(nn.Embed(vocab, d)(t)))
-            return nn.Dense(vocab, use_bias=bias)(nn.LayerNorm()(x))
+            x = nn.Dense(128)(nn.LayerNorm()(nn.Embed(_LM_VOCAB, 128)(t)))
+            return nn.Dense(_LM_VOCAB, use_bias=bias)(nn.LayerNorm()(x))
 
-    model = jamp.wrap(LM(), "mixed_bfloat16")
-    tx = optax.adamw(1e-3)
-    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
-    state = jax.eval_shape(lambda: jamp.TrainState.create(params, tx))
-    tokens = {"tokens": jax.ShapeDtypeStruct((batch, length + 1), jnp.int32)}
-    key = jax.eval_shape(lambda: jax.random.key(0))
-
-    def loss_fn(p, model_state, batch_, rng):
-        t = batch_["tokens"]
-        logits = model.apply({"params": p}, t[:, :-1])
-        return _FORMS[form](logits, t[:, 1:]).mean(), (model_state, {})
-
-    step = jax.jit(jamp.make_train_step(loss_fn, tx))
-    report = jamp.compile_for(step, state, tokens, key, target="h200")
-    assert report.memory.temporaries_by_dtype["f32"] < batch * length * vocab * 4 / 2
+    report = _h200_step(jamp.wrap(LM(), "mixed_bfloat16"), form)
+    assert report.memory.temporaries_by_dtype["f32"] < _LOGITS_F32 / 2
