@@ -16,9 +16,10 @@ matmul, no loop, no effect), and evaluates those consumers (the tail) under `jax
 * what it computes of the widened value's size is recomputed there from the 16-bit value, inside
   the backward's own elementwise kernel: no logits-sized float32 buffer is kept or written;
 * a gather that picks elements along the last axis (`take_along_axis` of the labels, also over
-  a batch with axes of size 1, which it gathers as offsets) stays a gather forward (one element read per row: no third pass over the logits beside the
-  log-normalizer's two), and its backward is a select where the index hits, fused into the
-  backward's elementwise kernel (no scatter into a float32 zero array). Out-of-range indices get
+  a batch with axes of size 1, which it gathers as offsets) stays a gather forward (one element
+  read per row: no third pass over the logits beside the log-normalizer's two), and its
+  backward is a select where the index hits, fused into the backward's elementwise kernel (no
+  scatter into a float32 zero array). Out-of-range indices get
   what the gather's mode gives them (`clip`: the nearest; `fill`: its fill value, NaN by
   default) and no gradient outside `clip`.
 

@@ -154,9 +154,8 @@ def _gathered_bytes(gather: Instruction, itemsize: int) -> int:
     """What a gather reads of its operand: each index's slice, in whole 32-byte sectors (the
     GPU's memory transaction), in the operand's element size."""
     m = _SLICE_SIZES.search(gather.attributes)
-    per = int(np.prod([int(d) for d in m.group(1).split(",") if d.strip()])) if m else 1
-    per = max(per, 1)
-    indices = int(np.prod(gather.shape, dtype=np.int64)) // per
+    per = max(int(np.prod([int(d) for d in m.group(1).split(",") if d.strip()])) if m else 1, 1)
+    indices = _elements(gather) // per
     return indices * -(-per * itemsize // _SECTOR) * _SECTOR
 
 
@@ -203,10 +202,10 @@ def _param_reads(body: list[Instruction]) -> dict[int, Optional[int]]:
                     reads.append(_gathered_bytes(user, itemsize))
                 elif user.op == "dynamic-update-slice" and user.operands[:1] == (name,):
                     reads.append(0)
-                elif (update := _scatter_update(user, by_name)) is not None and user.operands[
-                    :1
-                ] == (name,):
-                    # in place: what it reads of its target is the elements it updates
+                elif (
+                    user.operands[:1] == (name,)
+                    and (update := _scatter_update(user, by_name)) is not None
+                ):  # in place: what it reads of its target is the elements it updates
                     reads.append(_elements(update) * itemsize)
                 else:
                     partial = False
