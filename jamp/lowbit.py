@@ -68,10 +68,13 @@ class LowBitState(NamedTuple):
 
 
 def bytes_per_param(state) -> dict[str, float]:
-    """Bytes of state per parameter: {"params", "opt_state", "total"} (gradients not included).
+    """Bytes of state per parameter: {"params", "copies", "opt_state", "total"} (gradients not
+    included).
 
     fp32 master weights with Adam: 4 + 8 = 12; bfloat16 params with bfloat16 moments
     (`jamp.lowbit.bf16_state`): 2 + 4 = 6; with 8-bit moments (`int8_state`): about 2 + 2.03.
+    "copies": the 16-bit copies of the params' matrices a state may keep (`compute_params`),
+    about 2 when it does, 0 when it does not.
     `state` is a `jamp.TrainState` (its params and opt_state), and may be abstract
     (`jax.ShapeDtypeStruct` leaves).
     """
@@ -83,7 +86,8 @@ def bytes_per_param(state) -> dict[str, float]:
 
     count = sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(state.params))
     params, opt = nbytes(state.params) / max(count, 1), nbytes(state.opt_state) / max(count, 1)
-    return {"params": params, "opt_state": opt, "total": params + opt}
+    copies = nbytes(getattr(state, "compute_params", None)) / max(count, 1)
+    return {"params": params, "copies": copies, "opt_state": opt, "total": params + copies + opt}
 
 
 def dynamic_code(signed: bool) -> np.ndarray:

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jamp import hardware, jax_compat
+from jamp import copies, hardware, jax_compat
 
 # Accumulate in float32: 16-bit accumulation loses the small terms of long sums.
 _ACC = np.dtype(jnp.float32)
@@ -59,8 +59,8 @@ class Placed:
     gathered: Optional[jax.sharding.Sharding] = None
 
 
-def _to_compute(x, dtype, placed: Optional[Placed]):
-    x = x.astype(dtype)
+def _to_compute(x, dtype, placed: Optional[Placed], ready=None):
+    x = x.astype(dtype) if ready is None else ready
     if placed is None:
         return x
     x = lax.with_sharding_constraint(x, placed.sharding)
@@ -167,18 +167,21 @@ def _inverse_permutation(src):
 
 # The lowering is a static argument so that traces made under different lowerings never share
 # a cache entry.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _dot(lhs, rhs, dimension_numbers, compute_dtype, out_dtype, placed, lowering):
-    return _dot_fwd(lhs, rhs, dimension_numbers, compute_dtype, out_dtype, placed, lowering)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _dot(lhs, rhs, ready, dimension_numbers, compute_dtype, out_dtype, placed, lowering):
+    out, _ = _dot_fwd(
+        lhs, rhs, ready, dimension_numbers, compute_dtype, out_dtype, placed, lowering
+    )
+    return out
 
 
-def _dot_fwd(lhs, rhs, dimension_numbers, compute_dtype, out_dtype, placed, lowering):
-    lhs_c = _to_compute(lhs, compute_dtype, placed[0])
-    rhs_c = _to_compute(rhs, compute_dtype, placed[1])
+def _dot_fwd(lhs, rhs, ready, dimension_numbers, compute_dtype, out_dtype, placed, lowering):
+    lhs_c = _to_compute(lhs, compute_dtype, placed[0], ready[0])
+    rhs_c = _to_compute(rhs, compute_dtype, placed[1], ready[1])
     out = _matmul(lhs_c, rhs_c, dimension_numbers, out_dtype, lowering=lowering)
     # Keep the 16-bit copies, not the fp32 originals: half the residual memory. The zero-size
     # arrays only carry the operands' dtypes to the backward pass.
-    return out, (lhs_c, rhs_c, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
+    return out, (lhs_c, rhs_c, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype), ready)
 
 
 def backward_dims(dimension_numbers, lhs_ndim: int, rhs_ndim: int, g_ndim: int):
@@ -210,7 +213,7 @@ def backward_dims(dimension_numbers, lhs_ndim: int, rhs_ndim: int, g_ndim: int):
 
 def _dot_bwd(dimension_numbers, compute_dtype, out_dtype, placed, lowering, residuals, g):
     del out_dtype
-    lhs_c, rhs_c, lhs_like, rhs_like = residuals
+    lhs_c, rhs_c, lhs_like, rhs_like, ready = residuals
     (l_dims, l_perm), (r_dims, r_perm) = backward_dims(
         dimension_numbers, lhs_c.ndim, rhs_c.ndim, g.ndim
     )
@@ -225,6 +228,7 @@ def _dot_bwd(dimension_numbers, compute_dtype, out_dtype, placed, lowering, resi
     return (
         _to_operand(d_lhs, lhs_like.dtype, placed[0]),
         _to_operand(d_rhs, rhs_like.dtype, placed[1]),
+        copies.no_gradient(ready),
     )
 
 
@@ -248,7 +252,8 @@ def mixed_dot_general(lhs, rhs, dimension_numbers, compute_dtype, out_dtype, pla
     dims = tuple(tuple(tuple(int(d) for d in axes) for axes in pair) for pair in dimension_numbers)
     compute_dtype = np.dtype(compute_dtype)
     lowering = hardware.matmul_lowering(compute_dtype)
-    return _dot(lhs, rhs, dims, compute_dtype, np.dtype(out_dtype), tuple(placed), lowering)
+    ready = (copies.ready(lhs, compute_dtype), copies.ready(rhs, compute_dtype))
+    return _dot(lhs, rhs, ready, dims, compute_dtype, np.dtype(out_dtype), tuple(placed), lowering)
 
 
 def _conv(lhs, rhs, params, preferred):
@@ -272,21 +277,21 @@ def _conv_result(compute_dtype, wanted) -> np.dtype:
     return np.dtype(wanted)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _mixed_conv(lhs, rhs, params, compute_dtype, out_dtype, placed):
-    return _conv_fwd(lhs, rhs, params, compute_dtype, out_dtype, placed)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _mixed_conv(lhs, rhs, ready, params, compute_dtype, out_dtype, placed):
+    return _conv_fwd(lhs, rhs, ready, params, compute_dtype, out_dtype, placed)[0]
 
 
-def _conv_fwd(lhs, rhs, params, compute_dtype, out_dtype, placed):
-    lhs_c = _to_compute(lhs, compute_dtype, placed[0])
-    rhs_c = _to_compute(rhs, compute_dtype, placed[1])
+def _conv_fwd(lhs, rhs, ready, params, compute_dtype, out_dtype, placed):
+    lhs_c = _to_compute(lhs, compute_dtype, placed[0], ready[0])
+    rhs_c = _to_compute(rhs, compute_dtype, placed[1], ready[1])
     out = _conv(lhs_c, rhs_c, params, _conv_result(compute_dtype, _ACC)).astype(out_dtype)
-    return out, (lhs_c, rhs_c, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
+    return out, (lhs_c, rhs_c, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype), ready)
 
 
 def _conv_bwd(params, compute_dtype, out_dtype, placed, residuals, g):
     del out_dtype
-    lhs_c, rhs_c, lhs_like, rhs_like = residuals
+    lhs_c, rhs_c, lhs_like, rhs_like, ready = residuals
     # Convolution transposes are convolutions with rearranged windows; JAX's own rules get those
     # right. Run on a compute-dtype cotangent, every backward operand is 16-bit, and asking for
     # fp32 results (the kernel's in its reduce dtype) keeps a scaled weight gradient, a sum over
@@ -302,6 +307,7 @@ def _conv_bwd(params, compute_dtype, out_dtype, placed, residuals, g):
     return (
         _to_operand(d_lhs, lhs_like.dtype, placed[0]),
         _to_operand(d_rhs, rhs_like.dtype, placed[1]),
+        copies.no_gradient(ready),
     )
 
 
@@ -450,4 +456,5 @@ def mixed_conv(lhs, rhs, params, compute_dtype, out_dtype, placed=_UNPLACED):
     dtypes = (np.dtype(compute_dtype), np.dtype(out_dtype), tuple(placed))
     if _patch_lowerable(lhs, rhs, params):
         return _patch_conv(lhs, rhs, frozen, *dtypes, hardware.matmul_lowering(compute_dtype))
-    return _mixed_conv(lhs, rhs, frozen, *dtypes)
+    ready = (copies.ready(lhs, compute_dtype), copies.ready(rhs, compute_dtype))
+    return _mixed_conv(lhs, rhs, ready, frozen, *dtypes)

@@ -197,7 +197,7 @@ def state_plan(state, mesh: Mesh, rules: Optional[Rules] = None):
         keys = path_keys(path)
         field, rest = keys[0], keys[1:]
         shape = tuple(np.shape(leaf))
-        if field == "params":
+        if field in ("params", "compute_params"):  # a 16-bit copy sits where its param does
             _, spec, why = param_specs[rest]
         elif field == "opt_state":
             found = _like_param(rest, shape, param_specs) or _like_quantized(
@@ -247,9 +247,10 @@ def describe(state, mesh: Optional[Mesh] = None, rules: Optional[Rules] = None) 
             g["why"].setdefault(why, []).append("/".join(keys[1:]))
     mesh_text = ", ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
     per = bytes_per_param(state)
+    copies = f"16-bit copies {per['copies']:.2f} + " if per["copies"] else ""
     lines = [
         f"mesh {mesh_text}: {total_dev:,} of {total:,} bytes of state per device",
-        f"  per parameter: params {per['params']:.2f} + optimizer {per['opt_state']:.2f} = "
+        f"  per parameter: params {per['params']:.2f} + {copies}optimizer {per['opt_state']:.2f} = "
         f"{per['total']:.2f} bytes (gradients not included)",
         f"  {'field':12} {'placement':22} {'leaves':>6} {'bytes/device':>14} {'of total':>14}",
     ]

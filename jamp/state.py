@@ -8,6 +8,7 @@ safe to pass through `jax.jit` and `jax.pmap` without static arguments.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, Mapping, Self
 
 import jax
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from jamp.copies import compute_copies
 from jamp.loss_scale import NoOpLossScale
 
 PyTree = Any
@@ -59,6 +61,10 @@ class TrainState:
         adaptive_state: the adaptive-precision controller's state (a
             `jamp.adaptive.AdaptiveState`), or None. The train step passes it through untouched;
             it is here so that checkpoints keep it with the rest.
+        compute_params: None, or the params' matrices in the compute dtype (a tree like
+            `params`, None for the leaves without a copy): written by each step's update from
+            the params it keeps, and read by the wrapped model's matmuls instead of casting the
+            params again (see `create`). `replace(params=...)` makes them again.
 
     Example:
         >>> state = TrainState.create(params, optax.adam(1e-3),
@@ -75,6 +81,7 @@ class TrainState:
     skipped_steps: jax.Array
     fp8_state: Any = None
     adaptive_state: Any = None
+    compute_params: Any = None
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds it at run time; declared for type checkers
 
@@ -90,6 +97,7 @@ class TrainState:
         loss_scale: Any = None,
         fp8_state: Any = None,
         adaptive_state: Any = None,
+        compute_dtype: Any = None,
     ) -> "TrainState":
         """Builds the state for step 0 and initializes the optimizer state from `params`.
 
@@ -103,6 +111,16 @@ class TrainState:
             fp8_state: the fp8 scaling state to start from (`jamp.fp8.init_state`), or None.
             adaptive_state: the adaptive-precision state to start from
                 (`jamp.adaptive.Controller.init`), or None.
+            compute_dtype: a 16-bit float dtype (the policy's compute dtype, e.g.
+                `jnp.bfloat16`) to keep `compute_params` in: every float32 param of two or more
+                axes also in that dtype, which the step's update writes as it writes the params
+                (one more output of the kernel it runs anyway) and the next step's matmuls read.
+                That saves a cast kernel per weight matrix per step, reading the float32 params,
+                for 2 bytes per parameter held between steps (the 16-bit copies a step casts
+                are alive through its backward pass anyway). The model computes with the cast's
+                bits (XLA:CPU at -O0 was seen to round a few copies one step off; checkpoints
+                keep the copies, so a resumed run reads what the update wrote). None (the
+                default): the step casts the params itself.
 
         Returns:
             A `TrainState` with `step == 0` and `skipped_steps == 0`, both int32 arrays.
@@ -112,6 +130,12 @@ class TrainState:
             >>> params = variables.pop("params")  # what is left: batch_stats and the like
             >>> state = TrainState.create(params, optax.sgd(0.1), model_state=variables)
         """
+        if compute_dtype is not None:
+            d = jnp.dtype(compute_dtype)
+            if not (jnp.issubdtype(d, jnp.floating) and d.itemsize == 2):
+                raise ValueError(
+                    f"compute_dtype must be a 16-bit float dtype (bfloat16 or float16), got {d}."
+                )
         return cls(
             step=_int32_scalar(0),
             params=params,
@@ -123,4 +147,18 @@ class TrainState:
             skipped_steps=_int32_scalar(0),
             fp8_state=fp8_state,
             adaptive_state=adaptive_state,
+            compute_params=None if compute_dtype is None else compute_copies(params, compute_dtype),
         )
+
+
+def _replace(self: TrainState, **updates: Any) -> TrainState:
+    """A new state with `updates`; new params without new `compute_params` get theirs made again
+    from them, so that the copies the matmuls read never go stale."""
+    if "params" in updates and "compute_params" not in updates and self.compute_params is not None:
+        dtype = next((c.dtype for c in jax.tree.leaves(self.compute_params)), None)
+        copies = None if dtype is None else compute_copies(updates["params"], dtype)
+        updates["compute_params"] = copies
+    return dataclasses.replace(self, **updates)
+
+
+TrainState.replace = _replace  # type: ignore[method-assign,assignment]  # over flax.struct's

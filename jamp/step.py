@@ -30,6 +30,7 @@ import optax
 from jax import lax
 from jax.extend import core as jcore
 
+from jamp import copies as copies_lib
 from jamp import fp8, rounding
 from jamp.engine import recompute_widened
 from jamp.grad_stats import grad_stats
@@ -125,12 +126,17 @@ def _warn_float16_unscaled(jaxpr) -> None:
     )
 
 
-def _scaled_grads(loss_fn, loss_scale, params, model_state, batch, rng, fp8_state=None):
+def _scaled_grads(
+    loss_fn, loss_scale, params, model_state, batch, rng, fp8_state=None, copies=None
+):
     """Returns (scaled fp32 grads, fp32 loss, new model state, fp32 metrics, fp8 observations)
-    for one batch; the observations are None without an fp8 state."""
+    for one batch; the observations are None without an fp8 state. `copies`: the state's
+    `compute_params`, which the matmuls read instead of casting the params."""
 
     def scaled_loss(p, f8):
-        with fp8.scaling(f8) as scope:  # the fp8 matmuls traced here read their scales from it
+        pairs = () if copies is None else copies_lib.pairs(p, copies)
+        # fp8 matmuls traced here read their scales from `scope`
+        with fp8.scaling(f8) as scope, copies_lib.ready_casts(pairs):
             loss, (new_model_state, metrics) = _unpack(loss_fn(p, model_state, batch, rng))
         scope.check_reached()  # a site the loss never reached would never update
         if jnp.ndim(loss) != 0:
@@ -180,7 +186,7 @@ def _split_microbatches(batch: PyTree, num_micro: int) -> PyTree:
 
 
 def _accumulated_grads(
-    loss_fn, loss_scale, params, model_state, batch, rng, num_micro, fp8_state=None
+    loss_fn, loss_scale, params, model_state, batch, rng, num_micro, fp8_state=None, copies=None
 ):
     """Like `_scaled_grads`, averaged over `num_micro` microbatches run one after another."""
     micro = _split_microbatches(batch, num_micro)
@@ -191,7 +197,7 @@ def _accumulated_grads(
         # Each microbatch gets its own dropout mask, as it would as a batch of its own.
         micro_rng = jax.random.fold_in(rng, index)
         grads, loss, state, metrics, observed = _scaled_grads(
-            loss_fn, loss_scale, params, state, micro_batch, micro_rng, fp8_state
+            loss_fn, loss_scale, params, state, micro_batch, micro_rng, fp8_state, copies
         )
         # Summing in fp32 keeps k small scaled gradients from rounding away against each other.
         grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
@@ -300,7 +306,14 @@ def make_train_step(
         f8 = state.fp8_state
         if accumulation_steps == 1:
             grads, loss, model_state, metrics, observed = _scaled_grads(
-                loss_fn, loss_scale, state.params, state.model_state, batch, rng, f8
+                loss_fn,
+                loss_scale,
+                state.params,
+                state.model_state,
+                batch,
+                rng,
+                f8,
+                state.compute_params,
             )
         else:
             grads, loss, model_state, metrics, observed = _accumulated_grads(
@@ -312,6 +325,7 @@ def make_train_step(
                 rng,
                 accumulation_steps,
                 f8,
+                state.compute_params,
             )
         if axis_name is not None:
             # Average before checking finiteness: an inf on one replica becomes an inf on all, so
@@ -358,6 +372,11 @@ def make_train_step(
             (params, opt_state, model_state),
             (state.params, state.opt_state, state.model_state),
         )
+        # The copies the next step's matmuls read, made from the params kept: one more output of
+        # the update's kernels, and on a skipped step the same bits as before.
+        compute_params = state.compute_params
+        if compute_params is not None:
+            compute_params = copies_lib.recast(params, compute_params)
         new_loss_scale = loss_scale.adjust(finite)  # back off on overflow, grow when stable
         skipped_steps = state.skipped_steps + jnp.logical_not(applied).astype(jnp.int32)
         new_state = state.replace(
@@ -368,6 +387,7 @@ def make_train_step(
             loss_scale=new_loss_scale,
             skipped_steps=skipped_steps,
             fp8_state=f8,
+            compute_params=compute_params,
         )
         metrics = {
             **metrics,

@@ -49,6 +49,7 @@ RANK = {
     "precision": 0.75,  # above fp8, whose marker dtype fp8 policies autocast to
     "fp8": 0.5,  # above mixed_ops, whose backward dimension numbers it shares
     "mixed_ops": 0,
+    "copies": -1,  # the params' 16-bit copies: beneath mixed_ops and the engine, which read them
     "activations": 0,
     "hlo": 0,
     "hardware": -1,  # below precision and mixed_ops, which ask it what the device runs

@@ -137,6 +137,34 @@ def test_inf_on_one_device_skips_the_step_on_every_device():
     np.testing.assert_array_equal(state.step, np.full(NUM_DEVICES, 2))
 
 
+def test_pmapped_step_with_compute_params_matches_casting_and_skips_them_too():
+    """Replicated bfloat16 copies of the params (`compute_dtype`): the same steps bit for bit as
+    casting on each device, and an inf on one device leaves them as they were on every device."""
+    from jamp import wrap
+
+    model, tx = wrap(MLP(), "mixed_bfloat16"), optax.adam(1e-2)
+    p_step = make_p_train_step(make_train_step(make_loss_fn(model), tx, axis_name="batch"))
+    params = model.init(KEY, jnp.ones((2, 4)))["params"]
+    scale = DynamicLossScale(loss_scale=2.0**10)
+    cast = replicate(TrainState.create(params, tx, loss_scale=scale))
+    kept = replicate(TrainState.create(params, tx, loss_scale=scale, compute_dtype=jnp.bfloat16))
+    bad = make_batch(key=3)
+    bad = {**bad, "x": bad["x"].at[7, 0].set(jnp.inf)}  # row 7 lives on device 3 only
+    for batch in [make_batch(key=1), make_batch(key=2), bad]:
+        before = jax.tree.map(np.array, kept.compute_params)
+        cast, cast_metrics = p_step(cast, shard(batch), KEY)
+        kept, metrics = p_step(kept, shard(batch), KEY)
+        np.testing.assert_array_equal(metrics["loss"], cast_metrics["loss"])
+        for x, y in zip(jax.tree.leaves(kept.params), jax.tree.leaves(cast.params)):
+            np.testing.assert_array_equal(x, y)
+    assert not np.asarray(metrics["grads_finite"]).any()
+    copies = jax.tree.leaves(kept.compute_params)
+    assert len(copies) == 2 and all(c.dtype == jnp.bfloat16 for c in copies)
+    for x, y in zip(copies, jax.tree.leaves(before)):
+        np.testing.assert_array_equal(x, y)
+    assert_replicas_equal(kept.compute_params)
+
+
 def test_p_train_step_compiles_once():
     model, tx = BNNet(), optax.adam(1e-3)
     p_step = make_p_train_step(make_train_step(make_loss_fn(model), tx, axis_name="batch"))

@@ -7,6 +7,7 @@ import optax
 import pytest
 from toy import MLP, BNNet, make_batch, make_loss_fn
 
+import jamp.copies
 from jamp import sharding
 from jamp.loss_scale import DynamicLossScale, loss_scale_for
 from jamp.models import TransformerLM
@@ -149,6 +150,37 @@ def test_sharding_policy_decides_what_crosses_the_wire(policy, gathered, reduced
     others = [c for c in found if c.kind == "all-gather" and not c.into_matmul]
     assert {c.dtype for c in others} <= {"f32"}
     assert not any("kernel" in c.op_name for c in others)
+
+
+@pytest.mark.parametrize("mesh_spec", ["data=2,fsdp=4", "data=2,fsdp=2,tensor=2"])
+def test_sharding_compute_params_sit_with_their_params_and_change_no_bit(mesh_spec):
+    """The state's bfloat16 copies of the params (`compute_dtype`) are placed like their params
+    (tensor rules and FSDP alike), are what the matmuls gather (16-bit, once per weight), and
+    give the same steps as casting the params on their shards."""
+    state, step, batch = _lm_setup("mixed_bfloat16")
+    kept = state.replace(compute_params=jamp.copies.compute_copies(state.params, jnp.bfloat16))
+    mesh = sharding.make_mesh(mesh_spec)
+    got, got_metrics, _ = _run_sharded(kept, step, batch, mesh)
+    ref, ref_metrics, _ = _run_sharded(state, step, batch, mesh)
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(ref.params)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(got_metrics["loss"], ref_metrics["loss"])
+    copies = jax.tree.leaves(got.compute_params)
+    placed = jax.tree.leaves(
+        jax.tree.map(
+            lambda c, p: None if c is None else p,
+            got.compute_params,
+            got.params,
+            is_leaf=lambda c: c is None,
+        )
+    )
+    assert copies and [c.sharding for c in copies] == [p.sharding for p in placed]
+    assert all(c.dtype == jnp.bfloat16 for c in copies)
+    placed_kept = sharding.shard_state(kept, mesh, MEGATRON if "tensor" in mesh_spec else None)
+    p_step = sharding.make_sharded_train_step(step, mesh, sharding.state_shardings(placed_kept))
+    found = sharding.collectives(p_step, placed_kept, sharding.shard_batch(batch, mesh), KEY)
+    weights = [c for c in found if c.kind == "all-gather" and c.into_matmul]
+    assert weights and {c.dtype for c in weights} == {"bf16"}
 
 
 def test_sharding_gradient_accumulation_matches_single_device():

@@ -82,6 +82,7 @@ def test_state_holds_no_functions():
         "skipped_steps",
         "fp8_state",
         "adaptive_state",
+        "compute_params",
     ]
     assert not any(callable(leaf) for leaf in jax.tree.leaves(state))
 

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.extend import core as jcore
 from toy import MLP, BNNet, make_batch, make_loss_fn
 
 import jamp
@@ -386,3 +387,100 @@ def test_bare_loss_gets_one_line_saying_what_loss_fn_returns():
         TypeError, match=r"loss_fn must return \(loss, \(new_model_state, metrics\)\)"
     ):
         step(jamp.TrainState.create(params, tx), jnp.ones(3), jax.random.key(0))
+
+
+def _lm_run(compute_dtype, batches, accumulation_steps=1):
+    """A wrapped TransformerLM under mixed_bfloat16 (a dynamic scale), stepped over `batches`."""
+    from jamp.models import TransformerLM
+
+    model = jamp.wrap(
+        TransformerLM(vocab_size=64, num_layers=2, d_model=32, num_heads=2, mlp_dim=64),
+        "mixed_bfloat16",
+    )
+    tokens = jnp.zeros((1, 9), jnp.int32)
+    params = model.init(KEY, tokens[:, :-1])["params"]
+    tx = optax.adam(1e-2)
+
+    def loss_fn(p, model_state, batch, rng):
+        logits = model.apply({"params": p}, batch["tokens"][:, :-1])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:])
+        return loss.mean() * batch["scale"][0], (model_state, {})  # inf: every gradient overflows
+
+    state = TrainState.create(
+        params, tx, loss_scale=DynamicLossScale(2.0**10), compute_dtype=compute_dtype
+    )
+    step = jax.jit(make_train_step(loss_fn, tx, accumulation_steps=accumulation_steps))
+    states, history = [state], []
+    for batch in batches:
+        state, metrics = step(state, batch, KEY)
+        states.append(state)
+        history.append(metrics)
+    return states, history, (step, loss_fn)
+
+
+def _tokens(key, rows=4, scale=1.0):
+    tokens = jax.random.randint(jax.random.key(key), (rows, 9), 0, 64)
+    return {"tokens": tokens, "scale": jnp.full((rows,), scale)}
+
+
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+def test_compute_params_are_read_instead_of_cast_and_change_no_bit(accumulation_steps):
+    """With `compute_dtype`, the state keeps bfloat16 copies of the params' matrices that the
+    update writes and the matmuls read: the same bits as casting every step, a skipped step
+    included (its copies stay the same), and no cast of a param left in the forward pass."""
+    batches = [_tokens(1), _tokens(2), _tokens(3, scale=jnp.inf), _tokens(4)]
+    cast, cast_history, _ = _lm_run(None, batches, accumulation_steps)
+    kept, kept_history, (step, _) = _lm_run(jnp.bfloat16, batches, accumulation_steps)
+    for a, b in zip(cast, kept):
+        assert_trees_equal(a.params, b.params)
+        assert_trees_equal(a.opt_state, b.opt_state)
+        assert_trees_equal(jamp.copies.compute_copies(b.params, jnp.bfloat16), b.compute_params)
+    for a, b in zip(cast_history, kept_history):
+        assert_trees_equal(a, b)
+    assert [int(m["skipped_steps"]) for m in kept_history] == [0, 0, 1, 1]
+    assert_trees_equal(kept[3].compute_params, kept[2].compute_params)
+    copies = [c for c in jax.tree.leaves(kept[0].compute_params)]
+    assert copies and all(c.dtype == jnp.bfloat16 and c.ndim >= 2 for c in copies)
+    # the matrices are all that is copied: biases and norm scales stay float32 only
+    assert len(copies) < len(jax.tree.leaves(kept[0].params))
+
+    # In the step's program, no cast of a float32 param to bfloat16 is left in the model: the
+    # step casts each once, for the next step's copies (without copies the model casts each
+    # matrix it multiplies, Embed.attend's transposed table included).
+    def param_casts(state):
+        shapes = {p.shape for p in jax.tree.leaves(state.params) if p.ndim >= 2}
+        jaxpr = jax.make_jaxpr(step)(state, batches[0], KEY)
+        found = {"model": 0, "step": 0}
+
+        def walk(jx):
+            for eqn in jx.eqns:
+                if eqn.primitive.name == "convert_element_type":
+                    (x,), (y,) = eqn.invars, eqn.outvars
+                    if (x.aval.dtype, y.aval.dtype) == (jnp.float32, jnp.bfloat16):
+                        if x.aval.shape in shapes:
+                            model = "Wrapped.apply" in str(eqn.source_info.name_stack)
+                            found["model" if model else "step"] += 1
+                for sub in jcore.jaxprs_in_params(eqn.params):
+                    walk(sub)
+
+        walk(jaxpr.jaxpr)
+        return found
+
+    paths = [
+        jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(kept[0].params)
+    ]
+    kernels = sum("kernel" in k for k in paths) + 1  # and the tied embedding
+
+    assert param_casts(kept[0]) == {"model": 0, "step": len(copies)}
+    assert param_casts(cast[0])["model"] >= kernels
+
+
+def test_replacing_params_makes_their_compute_copies_again():
+    states, _, _ = _lm_run(jnp.bfloat16, [])
+    state = states[0]
+    doubled = jax.tree.map(lambda p: p * 2, state.params)
+    new = state.replace(params=doubled)
+    assert_trees_equal(new.compute_params, jamp.copies.compute_copies(doubled, jnp.bfloat16))
+    # copies given with the params are kept as given; a state without copies gets none
+    assert new.replace(params=doubled, compute_params=None).compute_params is None
+    assert TrainState.create(doubled, optax.adam(1e-2)).compute_params is None

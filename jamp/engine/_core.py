@@ -12,7 +12,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jamp import activations as act
-from jamp import fp8, jax_compat, mixed_ops, overrides
+from jamp import copies, fp8, jax_compat, mixed_ops, overrides
 from jamp.engine import _attention, _broadcast, _recompute
 from jamp.engine import _values as V
 
@@ -419,6 +419,11 @@ def _eval_attention(fuser, eqn, invals, weak) -> Optional[list]:
     return None
 
 
+# What a param's ready copy (`jamp.copies.ready_casts`) follows: a kernel transposed or
+# reshaped before its matmul is still read from the copy.
+_REARRANGE = ("transpose", "reshape")
+
+
 def _eval(
     jaxpr,
     consts,
@@ -478,6 +483,8 @@ def _eval(
             if followed is not None:
                 place_env[eqn.outvars[0]] = followed
         outs, outs_weak = evaluate(eqn, invals, where)
+        if eqn.primitive.name in _REARRANGE and copies.has_ready():
+            copies.follow_ready(invals[0], outs[0], lambda c: V.bind(eqn, [c], eqn.params)[0])
         if ctx.saved and len(invals) == 1:
             ctx.follow(eqn, invals[0], outs[0])
         if fuser is not None:

@@ -14,7 +14,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from jamp import jax_compat, mixed_ops
+from jamp import copies, jax_compat, mixed_ops
 
 DOT = lax.dot_general_p
 CONV = lax.conv_general_dilated_p
@@ -129,7 +129,7 @@ def cast(x, dtype):
         return x
     if isinstance(x, (np.ndarray, np.generic)):  # a literal: stays a constant
         return np.asarray(x, dtype)
-    return lax.convert_element_type(x, dtype)
+    return copies.cast(x, dtype)  # a param's ready copy where the train step has one
 
 
 def as_traced(eqn, invals):
