@@ -470,3 +470,41 @@ def test_checkpointer_a_bf16_checkpoint_into_an_fp8_run_is_one_line(tmp_path, st
     assert "\n" not in message and "does not match this model" in message
     want = "fp8_state/sites/Dense_0/dot_general/amax_history is in this model's state but not in"
     assert want in message
+
+
+@pytest.mark.parametrize(
+    "saved_dtype, wanted_dtype",
+    [
+        (jnp.bfloat16, jnp.bfloat16),  # restored as stored: the copies the update wrote
+        (None, jnp.bfloat16),  # an older checkpoint, or one written without copies: made anew
+        (jnp.bfloat16, None),  # a run that keeps none (adaptive precision turned on): dropped
+        (jnp.bfloat16, jnp.float16),  # another compute dtype: made anew in it
+    ],
+)
+def test_compute_params_restored_as_stored_or_made_from_the_params(
+    tmp_path, saved_dtype, wanted_dtype
+):
+    params = {"d": {"kernel": jnp.arange(12.0).reshape(3, 4) / 7, "bias": jnp.ones(4)}}
+    tx = optax.adam(1e-3)
+    saved = TrainState.create(params, tx, compute_dtype=saved_dtype)
+    if saved_dtype is not None:  # as a step may have written them: one ulp off the cast
+        kernel = saved.compute_params["d"]["kernel"]
+        nudged = jax.lax.bitcast_convert_type(
+            jax.lax.bitcast_convert_type(kernel, jnp.uint16) + 1, kernel.dtype
+        )
+        saved = saved.replace(compute_params={"d": {"kernel": nudged, "bias": None}})
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, saved)
+    target = TrainState.create(params, tx, compute_dtype=wanted_dtype)
+    with Checkpointer(tmp_path) as ckpt:
+        restored = ckpt.restore(target)
+    assert jax.tree.structure(restored) == jax.tree.structure(target)
+    if wanted_dtype is None:
+        assert restored.compute_params is None
+        return
+    got = restored.compute_params["d"]["kernel"]
+    assert got.dtype == wanted_dtype and restored.compute_params["d"]["bias"] is None
+    want = saved.compute_params["d"]["kernel"] if saved_dtype == wanted_dtype else None
+    if want is None:
+        want = params["d"]["kernel"].astype(wanted_dtype)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -42,6 +42,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jamp.copies import compute_copies
 from jamp.state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -182,6 +183,33 @@ def _drop_orphaned_read_errors(record: logging.LogRecord) -> bool:
     if first == "Task was destroyed but it is pending!":
         return _READ_TASK.search(message) is None
     return True
+
+
+def _same_copies(held: Any, copies: Any) -> bool:
+    """Whether a checkpoint's `compute_params` (metadata) are the ones the run keeps: then they
+    are restored as stored, and a resumed run reads the very copies the update wrote."""
+    if held is None or copies is None:
+        return False
+    wanted = _leaf_specs({"compute_params": copies})
+    return _describe_mismatch(_leaf_specs({"compute_params": held}), wanted) is None
+
+
+def _as_stored(held: Any, params: Any) -> Any:
+    """Placeholders for a checkpoint's `compute_params` (to read them and let them go): their
+    stored shapes and dtypes, on their params' shardings."""
+    if held is None:
+        return None
+
+    def like(meta, param):
+        if meta is None:
+            return None
+        sharding = getattr(param, "sharding", None)
+        return jax.ShapeDtypeStruct(tuple(meta.shape), meta.dtype, sharding=sharding)
+
+    try:
+        return jax.tree.map(like, held, params, is_leaf=lambda x: x is None)
+    except ValueError:  # another model's: the params' own mismatch is what gets reported
+        return jax.tree.map(lambda m: like(m, None), held, is_leaf=lambda x: x is None)
 
 
 def _fields_added_since(target: Any, stored_tree: Any) -> list[str]:
@@ -483,6 +511,19 @@ class Checkpointer:
     def _restore_step(self, step: int, abstract: Any, wanted: dict, fit=None) -> TrainState:
         stored = self._manager.metadata(step).item_metadata
         stored_tree = getattr(stored, "tree", stored)
+        copies = getattr(abstract, "compute_params", None)
+        held = stored_tree.get("compute_params") if isinstance(stored_tree, dict) else None
+        if copies is None and held is None or _same_copies(held, copies):
+            return self._restore_tree(step, abstract, wanted, stored_tree, fit)
+        # The checkpoint holds other copies than the run keeps (none, or in another dtype: the
+        # policy changed, or adaptive precision turned on): restore the rest, make them anew.
+        placed = abstract.replace(compute_params=_as_stored(held, abstract.params))
+        restored = self._restore_tree(step, placed, _leaf_specs(placed), stored_tree, fit)
+        dtype = next((c.dtype for c in jax.tree.leaves(copies)), None)
+        made = None if dtype is None else compute_copies(restored.params, dtype)
+        return restored.replace(compute_params=made)
+
+    def _restore_tree(self, step: int, abstract: Any, wanted: dict, stored_tree, fit) -> TrainState:
         if fit is not None and stored_tree is not None:
             abstract = _abstract(fit(abstract, stored_tree))
             wanted = _leaf_specs(abstract)

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jamp import adaptive, fp8, lowbit, parallel, sharding
 from jamp.models import NnxModel, get_model
-from jamp.precision import describe, reduce_dtype
+from jamp.precision import describe, is_fp8, reduce_dtype
 from jamp.state import TrainState
 from jamp.step import make_eval_step, make_train_step
 from jamp.train import adapting, run_log, tasks
@@ -97,12 +97,14 @@ def keep_in_float32(run: RunConfig, model, info) -> dict:
 
 
 def init_state(
-    model, tx, loss_scale, info, seed, fp8_scaling=None, adaptive_state=None
+    model, tx, loss_scale, info, seed, fp8_scaling=None, adaptive_state=None, *, adaptive=False
 ) -> TrainState:
     """A fresh TrainState for `model` on data described by `info` (a dataset's `.info`).
 
     `fp8_scaling`, `(recipe, history, margin)` under an fp8 policy, gives it an fp8 state with a
-    site for every fp8 matmul of the train step's loss."""
+    site for every fp8 matmul of the train step's loss. Under a 16-bit policy it keeps the
+    params' copies in the compute dtype (`compute_params`), except for an adaptive run
+    (`adaptive`, or an `adaptive_state`)."""
     dtype = jnp.int32 if info.task == "lm" else jnp.float32
     dummy = jnp.zeros((1, *info.input_shape), dtype)
     variables = dict(model.init(jax.random.key(seed), dummy, train=False))
@@ -117,7 +119,21 @@ def init_state(
         loss_scale=loss_scale,
         fp8_state=fp8_state,
         adaptive_state=adaptive_state,
+        compute_dtype=_copies_dtype(model, fp8_scaling, adaptive or adaptive_state is not None),
     )
+
+
+def _copies_dtype(model, fp8_scaling, adaptive: bool):
+    """The dtype the state keeps the params' matrices in between steps (`compute_params`): a
+    wrapped model's 16-bit compute dtype; None under fp8 (its matmuls cast with scales of their
+    own) and adaptive precision (its promotions change which matmuls cast to what)."""
+    policy = getattr(model, "policy", None)
+    if policy is None or fp8_scaling is not None or adaptive:
+        return None
+    if is_fp8(policy):
+        return None
+    dtype = jnp.dtype(policy.compute_dtype)
+    return dtype if dtype.itemsize == 2 else None
 
 
 def fp8_state_for(model, info, params, model_state, fp8_scaling) -> fp8.Fp8State:
@@ -612,7 +628,10 @@ def _state_bytes(run, state) -> str:
     """Params and optimizer state per parameter (gradients not included), e.g. "12.00 (params
     4.00, optimizer 8.00)"; with 16-bit params, how their updates are rounded."""
     per = lowbit.bytes_per_param(state)
-    text = f"{per['total']:.2f} (params {per['params']:.2f}, optimizer {per['opt_state']:.2f})"
+    copies = f", 16-bit copies {per['copies']:.2f}" if per["copies"] else ""
+    text = (
+        f"{per['total']:.2f} (params {per['params']:.2f}{copies}, optimizer {per['opt_state']:.2f})"
+    )
     param_dtype = np.dtype(run.policy.param_dtype)
     if param_dtype != np.float32:
         text += f"; {param_dtype.name} params, {run.param_rounding} rounding"

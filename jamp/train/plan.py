@@ -96,7 +96,9 @@ def abstract_state(recipe: Recipe):
     model = loop.make_model(run, info, recipe.task, recipe.data.dataset)
     tx, _ = make_optimizer(recipe.optim)
     state = jax.eval_shape(
-        lambda: loop.init_state(model, tx, run.loss_scale, info, run.seed, run.fp8)
+        lambda: loop.init_state(
+            model, tx, run.loss_scale, info, run.seed, run.fp8, adaptive=bool(run.adaptive)
+        )
     )
     return model, tx, state, info
 
@@ -230,10 +232,11 @@ def run_plan(config, target_name: str, workdir: Optional[str], search: bool = Tr
         layout = f"pmap over {recipe.target.num_devices} devices"
     state = abstract_state(recipe)[2]
     per = lowbit.bytes_per_param(state)
+    copies = f", 16-bit copies {per['copies']:.2f}" if per["copies"] else ""
     print(
         f"recipe: model {run.model} ({_count(param_count(state))} params), policy "
         f"{describe(run.policy)}, {layout}, global batch {run.batch_size}; state "
-        f"{per['total']:.2f} bytes per param (params {per['params']:.2f}, optimizer "
+        f"{per['total']:.2f} bytes per param (params {per['params']:.2f}{copies}, optimizer "
         f"{per['opt_state']:.2f}) before sharding (compiled abstractly: nothing allocated, no "
         "data read)",
         flush=True,
