@@ -229,8 +229,14 @@ def build(name: str, batch: int = 8, quick: bool = False, shape: dict | None = N
             example = (params_shape, {}, {"tokens": tokens}, None)
             fp8_state = jamp.fp8.init_state(loss_fn, *example, recipe="delayed", history=16)
 
+        # the params' matrices kept in the compute dtype, written by the update (not for fp8:
+        # its matmuls cast with scales of their own)
+        compute = None if policy == "mixed_fp8" else jamp.precision.get_policy(policy).compute_dtype
+
         def make_state(p):
-            return jamp.TrainState.create(p, tx, loss_scale=loss_scale, fp8_state=fp8_state)
+            return jamp.TrainState.create(
+                p, tx, loss_scale=loss_scale, fp8_state=fp8_state, compute_dtype=compute
+            )
 
         abstract = (
             jax.eval_shape(make_state, params_shape),

@@ -283,11 +283,13 @@ STEP_SHAPE = dict(layers=8, d=256, heads=4, mlp=1024, seq=128, vocab=1024)
 @pytest.mark.parametrize("family", ["lm", "llama"])
 def test_train_step_adds_at_most_5_percent_kernels_to_a_plain_step(family):
     """jamp.make_train_step (finite check, per-module flags, grad norm, the skip, the loss scale
-    and counters) against value_and_grad + optax on the same wrapped model, H200 program: at
-    most 5 % more kernels, besides the gradients XLA writes out because the finite check reads
-    them before the update does (`shared_results`: a plain step's update fuses them in), all but
-    one of which end in a reduction (split-K GEMMs, bias sums) that XLA does not fuse into the
-    check's reduction."""
+    and counters, and the state's bfloat16 copies of the params) against value_and_grad + optax
+    on the same wrapped model, H200 program: at most 5 % more kernels. Besides the gradients XLA
+    writes out because the finite check reads them before the update does (`shared_results`: a
+    plain step's update fuses them in; all but one end in a reduction, split-K GEMMs and bias
+    sums, that XLA does not fuse into the check's reduction), the step runs fewer kernels than
+    the plain one: the update writes the copies the matmuls read, where the plain step casts
+    each matrix in a kernel of its own."""
     from jamp.grad_stats import SCOPE
     from jamp.hlo.kernels import ends_in_reduction, shared_results
 
@@ -307,7 +309,8 @@ def test_train_step_adds_at_most_5_percent_kernels_to_a_plain_step(family):
     assert len(elementwise) <= 1, elementwise
     # one or two reductions per leaf shape (a dozen shapes), not one or two per leaf (~100)
     assert 0 < stats <= 24
-    assert step - shared <= 1.05 * plain, counts
+    assert step - shared < plain, counts
+    assert step <= 1.05 * plain, counts
 
 
 @pytest.mark.gpu_compile
