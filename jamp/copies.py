@@ -31,10 +31,14 @@ def compute_copies(params: PyTree, dtype) -> PyTree:
     dtype = jnp.dtype(dtype)
 
     def copy(leaf):
-        d = jnp.result_type(leaf)
-        if jnp.issubdtype(d, jnp.floating) and jnp.ndim(leaf) >= 2 and d.itemsize > dtype.itemsize:
-            return jnp.asarray(leaf).astype(dtype)
-        return None
+        d = jnp.dtype(leaf.dtype) if hasattr(leaf, "dtype") else jnp.result_type(leaf)
+        if not (jnp.issubdtype(d, jnp.floating) and jnp.ndim(leaf) >= 2):
+            return None
+        if d.itemsize <= dtype.itemsize:
+            return None
+        if isinstance(leaf, jax.ShapeDtypeStruct):  # an abstract state: abstract copies
+            return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=leaf.sharding)
+        return jnp.asarray(leaf).astype(dtype)
 
     return jax.tree.map(copy, params)
 

@@ -128,3 +128,19 @@ def test_serialization_round_trip():
         np.testing.assert_array_equal(x, y)
         assert np.asarray(x).dtype == np.asarray(y).dtype
     assert restored.loss_scale.min_loss_scale == 4.0
+
+
+def test_compute_copies_of_an_abstract_state_are_abstract():
+    """A state of shapes (a restore target, a plan) gets copies of shapes, on the params'
+    shardings: `create` under `jax.eval_shape` and `replace` with abstract params alike."""
+    params = {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}
+    tx = optax.sgd(0.1)
+    abstract = jax.eval_shape(lambda: TrainState.create(params, tx, compute_dtype=jnp.bfloat16))
+    assert abstract.compute_params["w"].dtype == jnp.bfloat16
+    assert abstract.compute_params["b"] is None
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    state = TrainState.create(params, tx, compute_dtype=jnp.bfloat16).replace(params=shapes)
+    assert state.compute_params["w"] == jax.ShapeDtypeStruct((4, 3), jnp.bfloat16)
+    assert state.compute_params["b"] is None
+    with pytest.raises(ValueError, match="16-bit float dtype"):
+        TrainState.create(params, tx, compute_dtype=jnp.float32)
