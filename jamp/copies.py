@@ -43,6 +43,11 @@ def compute_copies(params: PyTree, dtype) -> PyTree:
     return jax.tree.map(copy, params)
 
 
+def dtype_of(copies: PyTree):
+    """The dtype of a tree of copies (from `compute_copies`), or None where it holds none."""
+    return next((c.dtype for c in jax.tree.leaves(copies)), None)
+
+
 def recast(params: PyTree, copies: PyTree) -> PyTree:
     """`copies` (from `compute_copies`) made again from `params`: each leaf cast to its copy's dtype."""
     return jax.tree.map(
@@ -99,6 +104,11 @@ def ready(x, dtype):
     if found is None or found[0] is not x or np.dtype(found[1].dtype) != np.dtype(dtype):
         return None
     return found[1]
+
+
+def ready_operands(lhs, rhs, dtype) -> tuple[Any, Any]:
+    """Each operand's ready copy in `dtype`, or None: what a matmul or convolution reads."""
+    return ready(lhs, dtype), ready(rhs, dtype)
 
 
 def cast(x, dtype):

@@ -252,7 +252,7 @@ def mixed_dot_general(lhs, rhs, dimension_numbers, compute_dtype, out_dtype, pla
     dims = tuple(tuple(tuple(int(d) for d in axes) for axes in pair) for pair in dimension_numbers)
     compute_dtype = np.dtype(compute_dtype)
     lowering = hardware.matmul_lowering(compute_dtype)
-    ready = (copies.ready(lhs, compute_dtype), copies.ready(rhs, compute_dtype))
+    ready = copies.ready_operands(lhs, rhs, compute_dtype)
     return _dot(lhs, rhs, ready, dims, compute_dtype, np.dtype(out_dtype), tuple(placed), lowering)
 
 
@@ -456,5 +456,5 @@ def mixed_conv(lhs, rhs, params, compute_dtype, out_dtype, placed=_UNPLACED):
     dtypes = (np.dtype(compute_dtype), np.dtype(out_dtype), tuple(placed))
     if _patch_lowerable(lhs, rhs, params):
         return _patch_conv(lhs, rhs, frozen, *dtypes, hardware.matmul_lowering(compute_dtype))
-    ready = (copies.ready(lhs, compute_dtype), copies.ready(rhs, compute_dtype))
+    ready = copies.ready_operands(lhs, rhs, compute_dtype)
     return _mixed_conv(lhs, rhs, ready, frozen, *dtypes)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from jamp.copies import compute_copies
+from jamp.copies import compute_copies, dtype_of
 from jamp.loss_scale import NoOpLossScale
 
 PyTree = Any
@@ -155,9 +155,10 @@ def _replace(self: TrainState, **updates: Any) -> TrainState:
     """A new state with `updates`; new params without new `compute_params` get theirs made again
     from them, so that the copies the matmuls read never go stale."""
     if "params" in updates and "compute_params" not in updates and self.compute_params is not None:
-        dtype = next((c.dtype for c in jax.tree.leaves(self.compute_params)), None)
-        copies = None if dtype is None else compute_copies(updates["params"], dtype)
-        updates["compute_params"] = copies
+        dtype = dtype_of(self.compute_params)
+        updates["compute_params"] = (
+            None if dtype is None else compute_copies(updates["params"], dtype)
+        )
     return dataclasses.replace(self, **updates)
 
 

@@ -304,28 +304,14 @@ def make_train_step(
             rng = jax.random.fold_in(rng, lax.axis_index(axis_name))
         loss_scale = state.loss_scale  # keep the scale the grads are computed with for unscaling
         f8 = state.fp8_state
+        common = (loss_fn, loss_scale, state.params, state.model_state, batch, rng)
         if accumulation_steps == 1:
             grads, loss, model_state, metrics, observed = _scaled_grads(
-                loss_fn,
-                loss_scale,
-                state.params,
-                state.model_state,
-                batch,
-                rng,
-                f8,
-                state.compute_params,
+                *common, f8, state.compute_params
             )
         else:
             grads, loss, model_state, metrics, observed = _accumulated_grads(
-                loss_fn,
-                loss_scale,
-                state.params,
-                state.model_state,
-                batch,
-                rng,
-                accumulation_steps,
-                f8,
-                state.compute_params,
+                *common, accumulation_steps, f8, state.compute_params
             )
         if axis_name is not None:
             # Average before checking finiteness: an inf on one replica becomes an inf on all, so

@@ -42,7 +42,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jamp.copies import compute_copies
+from jamp.copies import compute_copies, dtype_of
 from jamp.state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -519,7 +519,7 @@ class Checkpointer:
         # policy changed, or adaptive precision turned on): restore the rest, make them anew.
         placed = abstract.replace(compute_params=_as_stored(held, abstract.params))
         restored = self._restore_tree(step, placed, _leaf_specs(placed), stored_tree, fit)
-        dtype = next((c.dtype for c in jax.tree.leaves(copies)), None)
+        dtype = dtype_of(copies)
         made = None if dtype is None else compute_copies(restored.params, dtype)
         return restored.replace(compute_params=made)
 

@@ -128,9 +128,7 @@ def _copies_dtype(model, fp8_scaling, adaptive: bool):
     wrapped model's 16-bit compute dtype; None under fp8 (its matmuls cast with scales of their
     own) and adaptive precision (its promotions change which matmuls cast to what)."""
     policy = getattr(model, "policy", None)
-    if policy is None or fp8_scaling is not None or adaptive:
-        return None
-    if is_fp8(policy):
+    if policy is None or fp8_scaling is not None or adaptive or is_fp8(policy):
         return None
     dtype = jnp.dtype(policy.compute_dtype)
     return dtype if dtype.itemsize == 2 else None
