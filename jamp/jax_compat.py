@@ -30,6 +30,14 @@ Differences between the supported releases (JAX 0.10 to 0.12), and how each is r
   plugin cannot describe a GPU topology (`allow_deviceless_cuda`). Whether cuDNN can be loaded
   (what `jax.nn.dot_product_attention(implementation="cudnn")` asks first) is read from the
   plugin's private version module, the same from 0.10 to 0.12 (`cudnn_version`).
+* From JAX 0.12.1 on, a multi-process CPU program read back from the persistent compilation
+  cache waits forever in its first collective (0.12.0.1 and earlier run it; a compile that
+  writes the cache runs too): `cached_cpu_collectives_hang`, for `python -m jamp.train` to keep
+  such a run off the cache.
+* `jax.sharding.SingleDeviceSharding` is deprecated from JAX 0.12.1 on: jamp builds one-device
+  shardings with `jax.sharding.make_single_device_sharding` (public from 0.10 on) and asks
+  whether a sharding is one with `is_single_device_sharding` (JAX's own from 0.12.1, the class
+  before).
 
 Stable across the range, read through the public `jax.extend.core`: `Jaxpr`, `ClosedJaxpr`,
 `Literal`, `DropVar`, `jaxprs_in_params`; `while` (`cond_nconsts`, `body_nconsts`), `cond`
@@ -214,3 +222,33 @@ def cudnn_version() -> int | None:
         return int(cuda_versions.cudnn_get_version())
     except (RuntimeError, OSError):
         return None
+
+
+def is_single_device_sharding(sharding: Any) -> bool:
+    """Whether `sharding` puts an array on one device. JAX 0.12.1 deprecates the class
+    `jax.sharding.SingleDeviceSharding` for `jax.sharding.is_single_device_sharding` (and
+    `make_single_device_sharding`, public from 0.10 on, to build one); before 0.12.1 the class is
+    the only way to ask."""
+    check = getattr(jax.sharding, "is_single_device_sharding", None)
+    if check is not None:
+        return bool(check(sharding))
+    return isinstance(sharding, jax.sharding.SingleDeviceSharding)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The leading numbers of a version string: "0.12.0.1" -> (0, 12, 0, 1), "0.13.0.dev1" ->
+    (0, 13, 0)."""
+    numbers = []
+    for part in version.split("."):
+        if not part.isdigit():
+            break
+        numbers.append(int(part))
+    return tuple(numbers)
+
+
+def cached_cpu_collectives_hang(version: str = JAX_VERSION) -> bool:
+    """Whether this JAX hangs in the collectives of a multi-process CPU program that it reads
+    from the persistent compilation cache. Seen with JAX 0.12.1 (two processes, a `pmap` psum
+    over their devices, the second run of it: every process waits in the all-reduce); 0.12.0.1
+    and earlier run it. Assumed of every later release until one is seen to run it."""
+    return _release(version) >= (0, 12, 1)

@@ -35,7 +35,7 @@ from typing import Any, Optional, Union
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jamp import hardware, jax_compat
@@ -244,7 +244,9 @@ def _abstract(x, sharding):
         dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype  # no copy of arrays
         x = jax.ShapeDtypeStruct(np.shape(x), dtype)
         given = None
-    if given is not None and not isinstance(given, NamedSharding | SingleDeviceSharding):
+    if given is not None and not (
+        isinstance(given, NamedSharding) or jax_compat.is_single_device_sharding(given)
+    ):
         given = None
     own = given if given is not None and _on_target(given) else sharding
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=own)
@@ -323,7 +325,7 @@ def _lower(fn, target: Target, mesh, args, kwargs):
     if mesh is not None:
         default = NamedSharding(mesh, P())
     elif target.num_devices == 1:
-        default = SingleDeviceSharding(devices[0])
+        default = jax.sharding.make_single_device_sharding(devices[0])
     abstract_args, abstract_kwargs = jax.tree.map(lambda x: _abstract(x, default), (args, kwargs))
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     # jax.default_device is part of JAX's tracing cache key: a step traced before for the CPU

@@ -59,3 +59,29 @@ def test_jax_compat_kernels_are_recognised_by_their_buffer_operands():
     call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4,), jnp.float32), interpret=True)
     assert jax_compat.is_kernel(_only_eqn(call, jnp.ones(4)))
     assert not jax_compat.is_kernel(_scan_eqn())
+
+
+def test_jax_compat_single_device_sharding_without_the_deprecated_class():
+    import warnings
+
+    import numpy as np
+
+    device = jax.devices()[0]
+    mesh = jax.sharding.Mesh(np.array([device]), ("x",))
+    with warnings.catch_warnings():
+        # JAX 0.12.1 deprecates jax.sharding.SingleDeviceSharding: jamp must not touch it there.
+        if hasattr(jax.sharding, "is_single_device_sharding"):
+            warnings.simplefilter("error", DeprecationWarning)
+        one = jax.sharding.make_single_device_sharding(device)
+        assert jax_compat.is_single_device_sharding(one)
+        named = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        assert not jax_compat.is_single_device_sharding(named)
+
+
+def test_jax_compat_cached_cpu_collectives_hang_from_jax_0_12_1():
+    assert jax_compat._release("0.12.0.1") == (0, 12, 0, 1)
+    assert jax_compat._release("0.13.0.dev20261201") == (0, 13, 0)
+    assert not jax_compat.cached_cpu_collectives_hang("0.10.0")
+    assert not jax_compat.cached_cpu_collectives_hang("0.12.0.1")
+    assert jax_compat.cached_cpu_collectives_hang("0.12.1")
+    assert jax_compat.cached_cpu_collectives_hang("0.13.0.dev20261201")

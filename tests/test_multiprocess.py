@@ -168,7 +168,7 @@ def _checkpoint(workdir, step):
 
 def _read_checkpoint(path):
     """The checkpoint's arrays on the host, whatever devices and processes wrote it."""
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    one = jax.sharding.make_single_device_sharding(jax.devices()[0])
     with ocp.StandardCheckpointer() as checkpointer:
         stored = checkpointer.metadata(path / "default").item_metadata.tree
         target = jax.tree.map(

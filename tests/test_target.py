@@ -367,7 +367,7 @@ def test_compile_for_memory_numbers_are_xla_memory_analysis():
 
     report = jamp.compile_for(jax.grad(f), w, x, target="h100")
     device = target_lib.get_target("h100").devices[0]
-    s = jax.sharding.SingleDeviceSharding(device)
+    s = jax.sharding.make_single_device_sharding(device)
     lowered = jax.jit(jax.grad(f)).lower(
         jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=s),
         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),

@@ -241,7 +241,7 @@ def _switched_on(target: Any, stored_tree: Any) -> list[str]:
 
 def _abstract(target: Any) -> Any:
     """The target as shapes, dtypes and shardings; static pytree data is kept as it is."""
-    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    default = jax.sharding.make_single_device_sharding(jax.local_devices()[0])
 
     def spec(leaf):
         shape, dtype = _shape_dtype(leaf)

@@ -235,6 +235,29 @@ def _initialize_distributed() -> None:
         jax.distributed.initialize(**given)
     except Exception as e:  # bad or missing settings, or no coordinator within JAX's time-out
         _fail(f"cannot join the multi-process run: {_one_line(e)}")
+    _keep_off_the_compilation_cache()
+
+
+def _keep_off_the_compilation_cache() -> None:
+    """Turns JAX's persistent compilation cache off for a multi-process CPU run where this JAX
+    would hang in the collectives of a program read from it (`jax_compat`). Quietly (logged at
+    INFO): a run's stderr stays what it says of the run, and a bad flag stays one line."""
+    import jax
+
+    from jamp import jax_compat
+
+    cache = jax.config.jax_compilation_cache_dir
+    if not (cache and jax.config.jax_enable_compilation_cache and jax.process_count() > 1):
+        return
+    if jax.default_backend() != "cpu" or not jax_compat.cached_cpu_collectives_hang():
+        return
+    jax.config.update("jax_enable_compilation_cache", False)
+    logging.info(
+        "JAX %s hangs in the collectives of a multi-process CPU program read from its "
+        "persistent compilation cache: this run compiles afresh (the cache at %s is not used)",
+        jax_compat.JAX_VERSION,
+        cache,
+    )
 
 
 def _quiet_logs() -> None:
