@@ -10,6 +10,8 @@
 # tokenizers 0.22.1, huggingface_hub 0.36.0, jmp 0.0.4 (and ml-collections where needed):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_17_x86_64 -d .whl transformers==4.57.6 ...
+# On the device tool: run(kind="nvidia-h200", carry=[".whl"], command="bash experiments/gpu_suite.sh",
+# timeout_s=330); a call that names no kind gets an H100 (its rows are then predicted for an H100).
 # The expected wall time on one H200 (or H100): about 4 minutes (12 rows, 5 compiling at once
 # at 17-40 s each, then 2-4 s of timing each under a lock; a torch.compile row ~40 s to its first
 # step).
