@@ -439,6 +439,7 @@ def test_the_fp8_state_follows_a_promotion_and_a_demotion_placed_like_the_rest(
     # The loop's next step, calibrating, placed like the plain one: it fills the fresh site
     from jamp import fp8
     from jamp.step import make_eval_step, make_train_step
+    from jamp.train import steps as steps_lib
     from jamp.train import tasks
 
     def calibrating_fn(axis_name):
@@ -448,7 +449,7 @@ def test_the_fp8_state_follows_a_promotion_and_a_demotion_placed_like_the_rest(
     def eval_fn(axis_name):
         return make_eval_step(tasks.make_eval_fn(model, "classification"), axis_name=axis_name)
 
-    placement = loop._placement(run, calibrating_fn, eval_fn, state)
+    placement = steps_lib.place_steps(run, calibrating_fn, eval_fn, state)
     batch = placement.batch(next(dataset.train_batches(start_step=0)))
     state, metrics = placement.train_step(state, batch, jax.random.key(0))
     host = placement.host(state)

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-import signal
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jamp import adaptive, fp8, lowbit, parallel, sharding
@@ -30,14 +28,12 @@ from jamp.step import make_eval_step, make_train_step
 from jamp.train import adapting, run_log, tasks
 from jamp.train import data as data_lib
 from jamp.train.checkpoint import Checkpointer, CheckpointError
-from jamp.train.metrics import MetricWriter, mean_metrics, peak_memory_mib, summary_table
+from jamp.train.metrics import MetricWriter, peak_memory_mib, summary_table
 from jamp.train.nnx_adapter import LinenView
 from jamp.train.optim import make_optimizer
 from jamp.train.overflow_watch import (  # noqa: F401 (TrainingDiverged is loop's API too)
-    OverflowLog,
     OverflowWatch,
     TrainingDiverged,
-    without_flags,
 )
 from jamp.train.run_config import (  # noqa: F401 (ConfigError and parse_config are loop's API too)
     ConfigError,
@@ -46,6 +42,8 @@ from jamp.train.run_config import (  # noqa: F401 (ConfigError and parse_config 
     prepare_workdir,
     resolve_workdir,
 )
+from jamp.train.steps import Placement, Steps
+from jamp.train.stop import StopFlag
 from jamp.wrap import wrap
 
 
@@ -180,96 +178,6 @@ def _needs_calibration(run, state) -> bool:
     return bool(run.fp8) and run.fp8[0] == "delayed" and fp8.uses_state(state.fp8_state)
 
 
-class _StopFlag:
-    """Turns SIGTERM and Ctrl-C into a request to save and stop after the current step.
-
-    All processes of a multi-process run must stop at the same step: one that stopped alone would
-    leave the others waiting in a collective for ever. There `should_stop` compares the processes'
-    flags every `every` steps (a signal to any process stops all) and answers False in between.
-    """
-
-    def __init__(self, every: int = 1):
-        self.signal: Optional[str] = None
-        self._every = every
-        self._stopping = False
-        self._saved: dict[signal.Signals, Any] = {}  # signal -> the handler it had
-
-    def should_stop(self, step: int) -> bool:
-        if jax.process_count() == 1:
-            return self.signal is not None
-        if step % self._every == 0:
-            signalled = multihost_utils.process_allgather(np.int32(self.signal is not None))
-            self._stopping = bool(np.any(signalled))
-            if self._stopping and self.signal is None:
-                self.signal = "a signal to another process"
-        return self._stopping
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._saved[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        del frame
-        self.signal = signal.Signals(signum).name
-
-    def __exit__(self, *exc):
-        for sig, handler in self._saved.items():
-            signal.signal(sig, handler)
-
-
-@dataclasses.dataclass
-class _Placement:
-    """How the run puts state and batches on devices: pmap replicas or a sharded mesh."""
-
-    place: Callable  # host state -> device state
-    batch: Callable  # host batch -> device batch
-    train_step: Callable  # (state, batch, rng) -> (state, metrics)
-    eval_step: Callable  # (state, batch) -> metric sums
-    fetch: Callable  # device metrics -> one copy
-    host: Callable  # device state -> what a checkpoint saves and the summary reads
-
-
-def _placement(run, train_step_fn, eval_fn, state) -> _Placement:
-    """`train_step_fn(axis_name)` / `eval_fn(axis_name)` build the steps for either kind."""
-    if run.parallelism == "sharded":
-        mesh = run.mesh
-        shardings = sharding.state_shardings(state, mesh)
-        # Several processes: each loaded only its slice of the global batch (see get_dataset).
-        process_local = jax.process_count() > 1
-
-        def place(s):
-            if _placed(s, shardings):  # restored from a checkpoint straight onto the mesh
-                return s
-            return sharding.shard_state(s, mesh)
-
-        return _Placement(
-            place=place,
-            batch=lambda b: sharding.shard_batch(b, mesh, process_local=process_local),
-            train_step=sharding.make_sharded_train_step(train_step_fn(None), mesh, shardings),
-            eval_step=sharding.make_sharded_eval_step(eval_fn(None), mesh, shardings),
-            # Metrics come out replicated: every process reads them from its own devices, also
-            # where the arrays span other processes' devices (not fully addressable).
-            fetch=lambda m: m,
-            host=lambda s: s,  # Orbax saves sharded arrays as they are, each process its shards
-        )
-    return _Placement(
-        place=parallel.replicate,
-        batch=parallel.shard,
-        train_step=parallel.make_p_train_step(train_step_fn(parallel.AXIS_NAME)),
-        eval_step=parallel.make_p_eval_step(eval_fn(parallel.AXIS_NAME)),
-        fetch=parallel.unreplicate,
-        host=parallel.unreplicate,
-    )
-
-
-def _placed(state, shardings) -> bool:
-    leaves, wanted = jax.tree.leaves(state), jax.tree.leaves(shardings)
-    return len(leaves) == len(wanted) and all(
-        isinstance(x, jax.Array) and x.sharding == w for x, w in zip(leaves, wanted)
-    )
-
-
 def _fp8_sites_as_stored(target, stored_tree):
     """Adaptive precision under fp8: the restore target's fp8 sites are the checkpoint's (a
     promotion before it removed some), shaped as stored and placed like the target's."""
@@ -317,7 +225,7 @@ def _restore_target(run, state):
     )
 
 
-def evaluate(placement: _Placement, state, dataset, task) -> dict:
+def evaluate(placement: Placement, state, dataset, task) -> dict:
     """One pass over the eval split; returns accuracy (and loss / perplexity for lm)."""
     totals: Any = None  # the summed metrics (a dict), from the first batch on
     for batch in dataset.eval_batches():
@@ -382,7 +290,7 @@ def train_and_evaluate(
         primary = jax.process_index() == 0  # the others hold the same averaged metrics
         with (
             MetricWriter(workdir, purge_step=start, enabled=primary) as writer,
-            _StopFlag(every=run.log_every_steps) as stop,
+            StopFlag(every=run.log_every_steps) as stop,
         ):
             writer.write_config(config.to_dict())
             summary = _train(
@@ -426,12 +334,13 @@ def _train(
     adapt=None,
 ):
     reduce = reduce_dtype(run.policy)  # under pmap, the step averages in it; sharded, wrap sums
-    if adapt is not None:
-        model = adapt.model  # with the promotions a restored checkpoint holds
+
+    def current_model():  # with adaptive precision, the one its promotions (restored too) give
+        return model if adapt is None else adapt.model
 
     def train_step_fn(axis_name):
         return make_train_step(
-            tasks.make_loss_fn(model, task, forward_flags=adapt is not None),
+            tasks.make_loss_fn(current_model(), task, forward_flags=adapt is not None),
             tx,
             axis_name=axis_name,
             accumulation_steps=run.accumulation_steps,
@@ -441,110 +350,121 @@ def _train(
         )
 
     def eval_fn(axis_name):
-        return make_eval_step(tasks.make_eval_fn(model, task), axis_name=axis_name)
+        return make_eval_step(tasks.make_eval_fn(current_model(), task), axis_name=axis_name)
 
-    def calibrating_fn(axis_name):
-        return fp8.calibrating(train_step_fn(axis_name))
-
-    placement = _placement(run, train_step_fn, eval_fn, state)
-    p_train_step = placement.train_step
+    calibrate = start == 0 and _needs_calibration(run, state)  # restored: the histories are full
+    steps = Steps(run, train_step_fn, eval_fn, state, calibrate, start)
+    state = steps.placement.place(state)
     rng = jax.random.key(run.seed)
-    # A fresh delayed fp8 state: the first step quantises by each tensor's own amax and fills
-    # the histories (the plain step would skip it, quantised by scales of 1). Restored: it has
-    # them.
-    calibrate = start == 0 and _needs_calibration(run, state)
-    state = placement.place(state)
     batches = dataset.train_batches(start_step=start)
     bar = _progress(run.num_train_steps, start)
-    pending, window_start, wait, eval_metrics = [], None, 0.0, {}
-    steps_timed, time_timed = 0, 0.0
-    overflow = OverflowWatch(run.loss_scale, run.persistent_overflow_steps)
-    overflows = OverflowLog()  # which modules overflowed, for the log lines and the summary
-    step = start
-    compiled_at = start + 1  # the step whose call compiles a new program: kept out of the times
-
-    def take_step(state, batch):
-        nonlocal calibrate, compiled_at
-        if not calibrate:
-            return p_train_step(state, placement.batch(batch), rng)
-        calibrate, compiled_at = False, step + 2  # the plain step compiles on the next one
-        first = _placement(run, calibrating_fn, eval_fn, state).train_step
-        return first(state, placement.batch(batch), rng)
-
-    if run.profile_steps and calibrate:  # the profiled steps are plain ones
-        state, _ = take_step(state, next(batches))
-        step += 1
+    log = run_log.Log(
+        run, writer, bar, adapt, OverflowWatch(run.loss_scale, run.persistent_overflow_steps)
+    )
+    window, eval_metrics, step = run_log.Window(), {}, start
     if run.profile_steps:
+        if steps.calibrate:  # the profiled steps are plain ones
+            state, _ = steps(state, next(batches), rng, step)
+            step += 1
         state, step = run_log.profile_first_steps(
-            run, p_train_step, placement, state, batches, rng, step, workdir
+            run, steps.placement.train_step, steps.placement, state, batches, rng, step, workdir
         )
         if bar is not None:
             bar.update(step - start)
-        window_start = time.perf_counter()
+        window.restart()
     while step < run.num_train_steps and not stop.should_stop(step):
         t0 = time.perf_counter()
         batch = next(batches)
-        wait += time.perf_counter() - t0
-        compiles, t_call = calibrate or step + 1 == compiled_at, time.perf_counter()
-        state, metrics = take_step(state, batch)
-        if compiles and window_start is not None:
-            window_start += time.perf_counter() - t_call  # a compilation is not throughput
-        pending.append(metrics)
+        window.wait += time.perf_counter() - t0
+        compiles, t_call = steps.compiles(step), time.perf_counter()
+        state, metrics = steps(state, batch, rng, step)
+        if compiles:
+            window.leave_out(t_call)  # a compilation is not throughput
+        window.pending.append(metrics)
         step += 1
         if bar is not None:
             bar.update(1)
         if adapt is not None:
-            adapt.add(step, metrics)
-            if adapt.due(step):
-                adapt.observe(placement.fetch)
-                changes = adapt.decide(step)
-                if changes:  # a new model: the step is built and compiled once more
-                    run_log.note_precision_changes(changes, writer, bar)
-                    model = adapt.model
-                    # Promoted, the module no longer forces the scale down: start it afresh,
-                    # placed like the scale it replaces (the rest of the state stays put).
-                    state = state.replace(loss_scale=_replicated(run, run.loss_scale))
-                    if run.fp8:  # the promoted modules' fp8 sites are gone from the program
-                        fp8_state, added = _fp8_after_promotion(run, model, dataset.info, state)
-                        state = state.replace(fp8_state=fp8_state)
-                        # A module back in fp8: its sites' first step fills their histories.
-                        calibrate = added and _needs_calibration(run, state)
-                    placement = _placement(run, train_step_fn, eval_fn, state)
-                    p_train_step = placement.train_step
+            state = _adapt_step(run, adapt, steps, state, metrics, step, dataset, log)
         if run.trace_nonfinite and not bool(np.all(jax.device_get(metrics["grads_finite"]))):
             # Costs a wait for the device every step, and a forward pass on skipped ones only.
-            run_log.trace_overflow(
-                model, task, placement.host(state), batch, rng, step, writer, bar
-            )
+            host = steps.placement.host(state)
+            run_log.trace_overflow(current_model(), task, host, batch, rng, step, writer, bar)
         if step == start + 1:  # the first step compiles: keep it out of the throughput
-            first = [jax.device_get(placement.fetch(metrics))]
-            run_log.note_overflows(overflows, first, step, writer, bar)
-            run_log.watch_overflow(overflow, first, step, run, bar, adapt)
-            window_start, wait, pending = time.perf_counter(), 0.0, []
+            log.first_step([jax.device_get(steps.placement.fetch(metrics))], step)
+            window.restart()
             continue
         if step % run.log_every_steps == 0 or step == run.num_train_steps:
-            window = [placement.fetch(m) for m in jax.device_get(pending)]
-            counts = run_log.note_overflows(overflows, window, step, writer, bar)
-            record = mean_metrics([without_flags(m) for m in window])
-            record.update({f"nonfinite/{name}": n for name, n in counts.items()})
-            elapsed = time.perf_counter() - window_start
-            record["examples_per_sec"] = len(pending) * run.batch_size / elapsed
-            record["data_wait_fraction"] = wait / elapsed
-            record["learning_rate"] = float(schedule(step - record.get("skipped_steps", 0)))
-            writer.write(step, record, kind="train")
-            steps_timed, time_timed = steps_timed + len(pending), time_timed + elapsed
-            run_log.show_progress(bar, step, record, counts)
-            run_log.watch_overflow(overflow, window, step, run, bar, adapt)
-            pending, window_start, wait = [], time.perf_counter(), 0.0
+            fetched = [steps.placement.fetch(m) for m in jax.device_get(window.pending)]
+            log.window(window, fetched, step, schedule)
+            window.restart()
         hook_start = time.perf_counter()
         if step % run.eval_every_steps == 0 and step < run.num_train_steps:
-            eval_metrics = evaluate(placement, state, dataset, task)
+            eval_metrics = evaluate(steps.placement, state, dataset, task)
             writer.write(step, eval_metrics, kind="eval")
         if step % run.checkpoint_every_steps == 0:
-            checkpointer.save(step, _savable(placement.host(state), adapt))
-        window_start += time.perf_counter() - hook_start  # hooks are not training throughput
+            checkpointer.save(step, _savable(steps.placement.host(state), adapt))
+        window.leave_out(hook_start)  # hooks are not training throughput
     if bar is not None:
         bar.close()
+    return _finish(
+        run,
+        task,
+        steps.placement,
+        state,
+        step,
+        eval_metrics,
+        window,
+        log,
+        dataset,
+        checkpointer,
+        stop,
+        t_begin,
+    )
+
+
+def _adapt_step(run, adapt, steps: Steps, state, metrics, step, dataset, log: run_log.Log):
+    """Adaptive precision after a step: its flags recorded; when a decision is due and changes
+    the precision of some modules, the new model's step (built and compiled once more) and the
+    state it starts from."""
+    adapt.add(step, metrics)
+    if not adapt.due(step):
+        return state
+    adapt.observe(steps.placement.fetch)
+    changes = adapt.decide(step)
+    if not changes:
+        return state
+    run_log.note_precision_changes(changes, log.writer, log.bar)
+    # Promoted, the module no longer forces the scale down: start it afresh, placed like the
+    # scale it replaces (the rest of the state stays put).
+    state = state.replace(loss_scale=_replicated(run, run.loss_scale))
+    calibrate = False
+    if run.fp8:  # the promoted modules' fp8 sites are gone from the program
+        fp8_state, added = _fp8_after_promotion(run, adapt.model, dataset.info, state)
+        state = state.replace(fp8_state=fp8_state)
+        # A module back in fp8: its sites' first step fills their histories.
+        calibrate = added and _needs_calibration(run, state)
+    steps.rebuild(state, calibrate)
+    return state
+
+
+def _finish(
+    run,
+    task,
+    placement,
+    state,
+    step,
+    eval_metrics,
+    window,
+    log,
+    dataset,
+    checkpointer,
+    stop,
+    t_begin,
+) -> dict:
+    """After the last step (or a stop signal): the final checkpoint, the last evaluation and the
+    run's summary."""
+    adapt = log.adapt
     if adapt is not None and adapt.pending:  # the last steps: recorded for a resume, not decided
         adapt.observe(placement.fetch)
     final = _savable(placement.host(state), adapt)
@@ -552,7 +472,7 @@ def _train(
         checkpointer.save(step, final)
     if not stop.should_stop(step):
         eval_metrics = evaluate(placement, state, dataset, task)
-        writer.write(step, eval_metrics, kind="eval")
+        log.writer.write(step, eval_metrics, kind="eval")
     else:
         print(
             f"stopped by {stop.signal} at step {step}; checkpoint saved, run again with the "
@@ -560,9 +480,17 @@ def _train(
             flush=True,
         )
     summary = _summary(
-        run, task, final, step, eval_metrics, steps_timed, time_timed, dataset, t_begin
+        run,
+        task,
+        final,
+        step,
+        eval_metrics,
+        window.steps_timed,
+        window.time_timed,
+        dataset,
+        t_begin,
     )
-    summary["overflowing modules"] = overflows.most_frequent() or "none"
+    summary["overflowing modules"] = log.overflows.most_frequent() or "none"
     if adapt is not None:
         summary["precision changes"] = adapt.summary()
     return summary

@@ -5,7 +5,10 @@ the device's 16-bit support. Split from `jamp.train.loop`, which calls these at 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+import time
+from typing import Any, Optional
 
 import jax
 import numpy as np
@@ -15,7 +18,15 @@ from jamp.inspect.overflow import forward_nonfinite
 from jamp.inspect.profile import profile_steps
 from jamp.precision import auto_reason
 from jamp.train import tasks
-from jamp.train.overflow_watch import TrainingDiverged, advice
+from jamp.train.metrics import MetricWriter, mean_metrics
+from jamp.train.overflow_watch import (
+    OverflowLog,
+    OverflowWatch,
+    TrainingDiverged,
+    advice,
+    without_flags,
+)
+from jamp.train.run_config import RunConfig
 
 
 def show_progress(bar, step, record, counts):
@@ -176,3 +187,64 @@ def watch_overflow(watch, window, step, run, bar, adapt=None):
             bar.write(text, file=sys.stderr)
         else:
             print(text, file=sys.stderr, flush=True)
+
+
+class Window:
+    """The steps since the last log line: their metrics (still on the device) and the time they
+    took, less what is not training throughput (compiling, the hooks); the time spent waiting
+    for data is counted apart. Its totals over the run give the summary's throughput."""
+
+    def __init__(self) -> None:
+        self.pending: list = []
+        self.start: Optional[float] = None  # None until the first (compiling) step is done
+        self.wait = 0.0
+        self.steps_timed, self.time_timed = 0, 0.0
+
+    def restart(self) -> None:
+        self.pending, self.start, self.wait = [], time.perf_counter(), 0.0
+
+    def leave_out(self, since: float) -> None:
+        """Keeps the time from `since` until now out of the window's."""
+        if self.start is not None:
+            self.start += time.perf_counter() - since
+
+    def close(self) -> float:
+        """The window's seconds, added to the run's totals."""
+        assert self.start is not None
+        elapsed = time.perf_counter() - self.start
+        self.steps_timed, self.time_timed = (
+            self.steps_timed + len(self.pending),
+            (self.time_timed + elapsed),
+        )
+        return elapsed
+
+
+@dataclasses.dataclass
+class Log:
+    """Where the loop's observations go: the metrics files, the progress bar, the overflow
+    counts by module and the watch for a run whose loss scale keeps falling."""
+
+    run: RunConfig
+    writer: MetricWriter
+    bar: Any
+    adapt: Any
+    overflow: OverflowWatch
+    overflows: OverflowLog = dataclasses.field(default_factory=OverflowLog)
+
+    def first_step(self, fetched: list, step: int) -> None:
+        """The first step compiles: its overflows are noted, its time and metrics are not."""
+        note_overflows(self.overflows, fetched, step, self.writer, self.bar)
+        watch_overflow(self.overflow, fetched, step, self.run, self.bar, self.adapt)
+
+    def window(self, window: Window, fetched: list, step: int, schedule) -> None:
+        """One log line: the window's mean metrics, its throughput and overflows."""
+        counts = note_overflows(self.overflows, fetched, step, self.writer, self.bar)
+        record = mean_metrics([without_flags(m) for m in fetched])
+        record.update({f"nonfinite/{name}": n for name, n in counts.items()})
+        elapsed = window.close()  # after the fetch: the device has finished the window's steps
+        record["examples_per_sec"] = len(window.pending) * self.run.batch_size / elapsed
+        record["data_wait_fraction"] = window.wait / elapsed
+        record["learning_rate"] = float(schedule(step - record.get("skipped_steps", 0)))
+        self.writer.write(step, record, kind="train")
+        show_progress(self.bar, step, record, counts)
+        watch_overflow(self.overflow, fetched, step, self.run, self.bar, self.adapt)
