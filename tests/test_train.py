@@ -12,6 +12,8 @@ import time
 import pytest
 from subproc import cli_env, forked_cli
 
+from jamp.train.checkpoint import Checkpointer
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Recipes on tfds datasets that need a download; the offline ones (default, lm_pydoc) have own tests.
 # fashion_mnist is mnist's recipe with another dataset of the same shape (tests/test_data.py
@@ -197,6 +199,19 @@ def test_train_resumes_where_it_stopped(tmp_path, data_dir):
     steps = [r["step"] for r in _records(workdir, "train")]
     assert steps == sorted(steps) and steps[-1] == 12
     assert steps.count(4) == 1  # steps 1-6 were not trained again
+
+
+@pytest.mark.program
+def test_train_hooks_run_on_the_first_step_too(tmp_path, data_dir):
+    # The first step compiles and is left out of the throughput, but a checkpoint or an
+    # evaluation due at it is not skipped.
+    workdir = tmp_path / "every"
+    every = [f"--config.{hook}_every_steps=1" for hook in ("checkpoint", "eval", "log")]
+    _smoke("default", workdir, data_dir, "--config.num_train_steps=3", *every)
+    with Checkpointer(workdir / "checkpoints") as ckpt:
+        assert ckpt.all_steps() == [1, 2, 3]
+    assert [r["step"] for r in _records(workdir, "eval")] == [1, 2, 3]
+    assert [r["step"] for r in _records(workdir, "train")] == [2, 3]
 
 
 @pytest.mark.program

@@ -393,8 +393,7 @@ def _train(
         if step == start + 1:  # the first step compiles: keep it out of the throughput
             log.first_step([jax.device_get(steps.placement.fetch(metrics))], step)
             window.restart()
-            continue
-        if step % run.log_every_steps == 0 or step == run.num_train_steps:
+        elif step % run.log_every_steps == 0 or step == run.num_train_steps:
             fetched = [steps.placement.fetch(m) for m in jax.device_get(window.pending)]
             log.window(window, fetched, step, schedule)
             window.restart()
