@@ -1,6 +1,7 @@
 """What the training program tells its user while it runs: the progress line, skipped steps and
 the modules that overflowed, the persistent-overflow stop, the profile of the first steps, and
-the device's 16-bit support. Split from `jamp.train.loop`, which calls these at its log points.
+the device's 16-bit support; the throughput's bookkeeping (`Window`) and the log lines (`Log`).
+Split from `jamp.train.loop`, which calls these at its log points.
 """
 
 from __future__ import annotations
@@ -212,10 +213,8 @@ class Window:
         """The window's seconds, added to the run's totals."""
         assert self.start is not None
         elapsed = time.perf_counter() - self.start
-        self.steps_timed, self.time_timed = (
-            self.steps_timed + len(self.pending),
-            (self.time_timed + elapsed),
-        )
+        self.steps_timed += len(self.pending)
+        self.time_timed += elapsed
         return elapsed
 
 
