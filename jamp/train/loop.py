@@ -443,7 +443,7 @@ def _adapt_step(run, adapt, steps: Steps, state, metrics, step, dataset, log: ru
         state = state.replace(fp8_state=fp8_state)
         # A module back in fp8: its sites' first step fills their histories.
         calibrate = added and _needs_calibration(run, state)
-    steps.rebuild(state, calibrate)
+    steps.rebuild(state, calibrate, step)
     return state
 
 

@@ -94,7 +94,9 @@ class Steps:
         first = place_steps(self._run, calibrating, self._make_eval, state).train_step
         return first(state, placement.batch(batch), rng)
 
-    def rebuild(self, state, calibrate: bool) -> None:
-        """The steps of a new model (adaptive precision), compiled on their first call."""
+    def rebuild(self, state, calibrate: bool, step: int) -> None:
+        """The steps of a new model (adaptive precision) after step `step`: the next call
+        compiles them."""
         self.placement = place_steps(self._run, self._make_step, self._make_eval, state)
         self.calibrate = calibrate
+        self._compiled_at = step + 1
