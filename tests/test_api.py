@@ -85,6 +85,8 @@ RANK = {
     "inspect": 5,  # library: see test_api_inspect_imports_no_training_program
     "target": 5.3,  # above inspect (its compiled-program report) and sharding (target meshes)
     "run_log": 5.5,
+    "steps": 5.6,  # the program's placed steps: above parallel and sharding, below loop
+    "stop": 4,  # SIGTERM / Ctrl-C as a stop request, for loop
     "loop": 6,
     "plan": 6.5,  # above loop, whose model and state builders it runs abstractly
     "cli_help": 6.9,  # the program's --help and its errors' suggestions, beneath cli
@@ -93,6 +95,7 @@ RANK = {
 # The training program's modules (jamp/train/): ranked like the library's, by their own name.
 PROGRAM = {"loop", "run_config", "run_log", "checkpoint", "metrics", "optim", "tasks"}
 PROGRAM |= {"overflow_watch", "data", "cli", "cli_help", "nnx_adapter", "adapting", "plan"}
+PROGRAM |= {"steps", "stop"}
 # Heavy or program-only dependencies, and the only modules allowed to import them.
 CONFINED = {
     "tensorflow": {"data"},
