@@ -406,20 +406,25 @@ def _train(
         window.leave_out(hook_start)  # hooks are not training throughput
     if bar is not None:
         bar.close()
-    return _finish(
-        run,
-        task,
-        steps.placement,
-        state,
-        step,
-        eval_metrics,
-        window,
-        log,
-        dataset,
-        checkpointer,
-        stop,
-        t_begin,
-    )
+    if adapt is not None and adapt.pending:  # the last steps: recorded for a resume, not decided
+        adapt.observe(steps.placement.fetch)
+    final = _savable(steps.placement.host(state), adapt)
+    if checkpointer.latest_step() != step:
+        checkpointer.save(step, final)
+    if not stop.should_stop(step):
+        eval_metrics = evaluate(steps.placement, state, dataset, task)
+        writer.write(step, eval_metrics, kind="eval")
+    else:
+        print(
+            f"stopped by {stop.signal} at step {step}; checkpoint saved, run again with the "
+            "same --workdir to resume",
+            flush=True,
+        )
+    summary = _summary(run, task, final, step, eval_metrics, window, dataset, t_begin)
+    summary["overflowing modules"] = log.overflows.most_frequent() or "none"
+    if adapt is not None:
+        summary["precision changes"] = adapt.summary()
+    return summary
 
 
 def _adapt_step(run, adapt, steps: Steps, state, metrics, step, dataset, log: run_log.Log):
@@ -445,54 +450,6 @@ def _adapt_step(run, adapt, steps: Steps, state, metrics, step, dataset, log: ru
         calibrate = added and _needs_calibration(run, state)
     steps.rebuild(state, calibrate, step)
     return state
-
-
-def _finish(
-    run,
-    task,
-    placement,
-    state,
-    step,
-    eval_metrics,
-    window,
-    log,
-    dataset,
-    checkpointer,
-    stop,
-    t_begin,
-) -> dict:
-    """After the last step (or a stop signal): the final checkpoint, the last evaluation and the
-    run's summary."""
-    adapt = log.adapt
-    if adapt is not None and adapt.pending:  # the last steps: recorded for a resume, not decided
-        adapt.observe(placement.fetch)
-    final = _savable(placement.host(state), adapt)
-    if checkpointer.latest_step() != step:
-        checkpointer.save(step, final)
-    if not stop.should_stop(step):
-        eval_metrics = evaluate(placement, state, dataset, task)
-        log.writer.write(step, eval_metrics, kind="eval")
-    else:
-        print(
-            f"stopped by {stop.signal} at step {step}; checkpoint saved, run again with the "
-            "same --workdir to resume",
-            flush=True,
-        )
-    summary = _summary(
-        run,
-        task,
-        final,
-        step,
-        eval_metrics,
-        window.steps_timed,
-        window.time_timed,
-        dataset,
-        t_begin,
-    )
-    summary["overflowing modules"] = log.overflows.most_frequent() or "none"
-    if adapt is not None:
-        summary["precision changes"] = adapt.summary()
-    return summary
 
 
 def _replicated(run, tree):
@@ -523,7 +480,7 @@ def _fp8_summary(run, state) -> str:
     )
 
 
-def _summary(run, task, state, step, eval_metrics, steps_timed, time_timed, dataset, t_begin):
+def _summary(run, task, state, step, eval_metrics, window, dataset, t_begin):
     metric = "perplexity" if task == "lm" else "accuracy"
     memory = peak_memory_mib()
     if run.parallelism == "sharded":
@@ -541,7 +498,9 @@ def _summary(run, task, state, step, eval_metrics, steps_timed, time_timed, data
         "final loss scale": float(state.loss_scale.loss_scale),
         f"eval {metric}": eval_metrics.get(metric),
         "throughput (examples/s)": (
-            round(steps_timed * run.batch_size / time_timed, 1) if time_timed else None
+            round(window.steps_timed * run.batch_size / window.time_timed, 1)
+            if window.time_timed
+            else None
         ),
         "wall time (s)": round(time.perf_counter() - t_begin, 1),
         "peak memory (MiB)": memory,
