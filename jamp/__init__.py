@@ -4,8 +4,10 @@ The public API, all documented in the README:
 
 * policies: `get_policy`, `describe_policy`, `PRESETS`;
 * wrapping: `wrap` (linen and NNX modules), `autocast` (any JAX function), `FP32_MODULES`,
-  `UnsupportedProgramError`, `module_policies` (which policy each linen submodule runs under); NNX training through `jamp.make_train_step`: the `jamp.nnx`
-  module (`split`, `Functional`, `FP32_MODULES`);
+  `UnsupportedProgramError`, `RecognitionWarning` (a pattern jamp fuses, not recognised in a
+  module: it runs as traced), `module_policies` (which policy each linen submodule runs
+  under); NNX training through `jamp.make_train_step`: the `jamp.nnx` module (`split`,
+  `Functional`, `FP32_MODULES`);
 * loss scales: `NoOpLossScale`, `StaticLossScale`, `DynamicLossScale`, `loss_scale_for`,
   `all_finite`, `finite_by_group`, `select_tree`;
 * training: `TrainState`, `make_train_step`, `make_eval_step`; the `jamp.losses` module
@@ -45,6 +47,7 @@ from jamp import (  # noqa: F401 (_startup first: it loads JAX, see the module)
 )
 from jamp import jax_compat as _jax_compat
 from jamp.autocast import autocast
+from jamp.engine import RecognitionWarning
 from jamp.jax_compat import UnsupportedProgramError
 from jamp.loss_scale import (
     DynamicLossScale,
@@ -70,6 +73,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "FP32_MODULES",
     "PRESETS",
+    "RecognitionWarning",
     "DynamicLossScale",
     "NoOpLossScale",
     "StaticLossScale",

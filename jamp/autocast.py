@@ -18,7 +18,7 @@ import jax
 
 from jamp import activations as act
 from jamp import precision
-from jamp.engine import ComputeFor, _rewrite, placing, rewrite
+from jamp.engine import AttentionFusion, ComputeFor, _rewrite, fusion_key, placing, rewrite
 
 __all__ = ["autocast", "placing", "rewrite", "NORM_SCOPE_SUFFIXES"]
 
@@ -77,6 +77,7 @@ def autocast(
     overrides=None,
     activations: str = "auto",
     params_argnums: Sequence[int] = (),
+    fuse_attention: AttentionFusion = True,
 ) -> Callable:
     """Return `fn`, any JAX function, running under a precision policy.
 
@@ -106,6 +107,10 @@ def autocast(
         with exactly one operand made of them alone as a layer's (fp8; without parameters no
         matmul is fp8), and with 16-bit activations they take the dtype of the activations they
         meet instead of promoting them.
+      fuse_attention: under a 16-bit policy each attention recognised in the program runs as
+        one call (cuDNN's fused kernel on NVIDIA GPUs); False leaves every attention as traced,
+        and a mapping of name-scope path patterns to True / False decides per scope (the first
+        pattern matching the path, or an enclosing part of it, decides; fused where none does).
 
     Returns:
       A function with `fn`'s signature.
@@ -131,7 +136,11 @@ def autocast(
         raise TypeError(f"jamp.autocast expects a callable, got {type(fn).__name__}.")
     act.resolve(activations)  # a bad value fails here, with the accepted ones
     engine = functools.partial(rewrite, compute_for=_scope_rules(pairs))
-    options = dict(activations=activations, reduce_dtype=precision.reduce_dtype(policy))
+    options = dict(
+        activations=activations,
+        reduce_dtype=precision.reduce_dtype(policy),
+        fuse_attention=fusion_key(fuse_attention),  # a bad value fails here, in one line
+    )
     compute = precision.autocast_dtype(policy)
 
     def run(*args, **kwargs):

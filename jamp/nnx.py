@@ -42,7 +42,7 @@ from flax import nnx
 from jamp import activations as activations_lib
 from jamp import jax_compat, precision, scopes
 from jamp import overrides as overrides_lib
-from jamp.engine import rewrite
+from jamp.engine import AttentionFusion, fusion_key, rewrite
 
 #: NNX module classes that run in float32 unless `overrides` says otherwise.
 FP32_MODULES: tuple[type, ...] = (
@@ -251,6 +251,7 @@ class _Setup:
     overrides: tuple
     activations: str
     original: type
+    fuse_attention: Any = True  # `jamp.engine.fusion_key`: a bool, or (pattern, bool) pairs
 
 
 def _is_node(x) -> bool:
@@ -339,6 +340,7 @@ def _run(module, setup: _Setup, name: str, args, kwargs):
         activations=setup.activations,
         weak_argnums=(0,),  # the module's variables: see `jamp.activations` on weak values
         reduce_dtype=precision.reduce_dtype(setup.policy),
+        fuse_attention=setup.fuse_attention,
     )(state, data)
     if capture:
         for collected in _capturing:
@@ -382,6 +384,7 @@ def wrap(
     overrides: Optional[Mapping[Any, Any]] = None,
     *,
     activations: str = "auto",
+    fuse_attention: AttentionFusion = True,
 ) -> nnx.Module:
     """An NNX module under a precision policy: see the module docstring and `jamp.wrap`.
 
@@ -393,7 +396,8 @@ def wrap(
         raise ValueError("module is already wrapped; wrap the original module once.")
     policy, pairs = overrides_lib.resolve(policy, overrides, FP32_MODULES, (nnx.Embed,))
     activations_lib.resolve(activations)  # reject a bad value here, with the accepted ones
-    setup = _Setup(policy, pairs, activations, type(module))
+    fusion = fusion_key(fuse_attention)  # a bad value fails here, in one line
+    setup = _Setup(policy, pairs, activations, type(module), fusion)
     copy = nnx.clone(module)
     for _, param in _nodes(copy, nnx.Param):
         value = param.get_value()

@@ -46,7 +46,7 @@ from jamp import activations as activations_lib
 from jamp import nnx as nnx_lib
 from jamp import overrides as overrides_lib
 from jamp import precision
-from jamp.engine import rewrite
+from jamp.engine import AttentionFusion, fusion_key, rewrite
 from jamp.precision import reduce_dtype
 
 if TYPE_CHECKING:
@@ -107,6 +107,7 @@ class Wrapped(nn.Module):
     policy: jmp.Policy
     overrides: tuple[tuple[OverrideKey, jmp.Policy], ...] = ()
     activations: str = "auto"
+    fuse_attention: Any = True  # `jamp.engine.fusion_key`: a bool, or (pattern, bool) pairs
 
     # ----- how a call runs. `nowrap`: Flax must not treat these helpers as module methods, or the
     # interceptor would intercept itself.
@@ -141,6 +142,7 @@ class Wrapped(nn.Module):
             activations=self.activations,
             weak_argnums=(0,),
             reduce_dtype=reduce_dtype(self.policy),
+            fuse_attention=self.fuse_attention,
         )(*args, **kwargs)
 
     # ----- the linen entry points, with the inner module's signatures
@@ -232,6 +234,7 @@ def wrap(
     overrides: Optional[Mapping[OverrideKey, PolicyLike]] = None,
     *,
     activations: str = "auto",
+    fuse_attention: AttentionFusion = True,
 ) -> Wrapped: ...
 
 
@@ -242,6 +245,7 @@ def wrap(
     overrides: Optional[Mapping[OverrideKey, PolicyLike]] = None,
     *,
     activations: str = "auto",
+    fuse_attention: AttentionFusion = True,
 ) -> nnx.Module: ...
 
 
@@ -251,6 +255,7 @@ def wrap(
     overrides: Optional[Mapping[OverrideKey, PolicyLike]] = None,
     *,
     activations: str = "auto",
+    fuse_attention: AttentionFusion = True,
 ) -> Wrapped | nnx.Module:
     """Return `module` running under a precision policy, without editing the module.
 
@@ -270,6 +275,11 @@ def wrap(
         `jamp.activations` allows: half the memory traffic, the fast form on GPUs and TPUs) or
         "auto" (float32 on CPUs, compute elsewhere). Normalization layers, sums, exponentials
         and the loss stay float32 either way.
+      fuse_attention: under a 16-bit policy each attention recognised in the program runs as
+        one call (cuDNN's fused kernel on NVIDIA GPUs); False leaves every attention as traced,
+        and a mapping of module path patterns to True / False decides per module (e.g.
+        `{"*/cross_attn": False}`: the first pattern matching the path, or an enclosing part of
+        it, decides; fused where none matches).
 
     Returns:
       For linen, a `Wrapped` module with `module`'s `init` / `init_with_output` / `apply`
@@ -280,7 +290,9 @@ def wrap(
       model = jamp.wrap(Transformer(cfg), "mixed_bfloat16", {"*/lm_head": "float32"})
     """
     if nnx_lib.is_module(module):
-        return nnx_lib.wrap(module, policy, overrides, activations=activations)
+        return nnx_lib.wrap(
+            module, policy, overrides, activations=activations, fuse_attention=fuse_attention
+        )
     if isinstance(module, Wrapped):
         raise ValueError("module is already wrapped; wrap the original module once.")
     if not isinstance(module, nn.Module):
@@ -290,7 +302,14 @@ def wrap(
         )
     policy, pairs = overrides_lib.resolve(policy, overrides, FP32_MODULES, (nn.Embed,))
     activations_lib.resolve(activations)  # reject a bad value here, with the accepted ones
-    return Wrapped(module=module, policy=policy, overrides=pairs, activations=activations)
+    fusion = fusion_key(fuse_attention)  # a bad value fails here, in one line
+    return Wrapped(
+        module=module,
+        policy=policy,
+        overrides=pairs,
+        activations=activations,
+        fuse_attention=fusion,
+    )
 
 
 def module_policies(model: Wrapped, variables, *args, **kwargs) -> dict[str, jmp.Policy]:

@@ -29,14 +29,18 @@ Example::
 """
 
 from jamp.engine._core import ComputeFor, eval_jaxpr
-from jamp.engine._rewrite import PlacementFor, placing, rewrite
+from jamp.engine._guard import RecognitionWarning
+from jamp.engine._rewrite import AttentionFusion, PlacementFor, fusion_key, placing, rewrite
 from jamp.engine._tail import recompute_widened
 from jamp.engine._values import REWRITTEN_INSIDE
 
 __all__ = [
+    "AttentionFusion",
     "ComputeFor",
     "PlacementFor",
     "REWRITTEN_INSIDE",
+    "RecognitionWarning",
+    "fusion_key",
     "eval_jaxpr",
     "placing",
     "recompute_widened",

@@ -182,41 +182,6 @@ def _covers_upper(hidden: np.ndarray, t: int, s: int) -> bool:
     return bool(np.logical_or(hidden, np.tri(t, s, dtype=bool)).all())
 
 
-def repeat_of(eqn, made_by: dict) -> Optional[tuple]:
-    """(source var, axis, group) if `eqn` is `jnp.repeat(source, group, axis)` as JAX traces it:
-    a broadcast (or two) that adds an axis of `group` copies right after `axis`, then a reshape
-    merging the two; None otherwise."""
-    if eqn.primitive.name != "reshape" or jax_compat.param(eqn, "dimensions") is not None:
-        return None
-    var = eqn.invars[0]
-    dims = None  # where the source's axes sit in the broadcast result
-    while isinstance(var, jcore.Var) and var in made_by:
-        producer = made_by[var]
-        if producer.primitive.name != "broadcast_in_dim":
-            break
-        step = tuple(int(d) for d in jax_compat.param(producer, "broadcast_dimensions"))
-        dims = step if dims is None else tuple(step[d] for d in dims)
-        var = producer.invars[0]
-    if dims is None or not isinstance(var, jcore.Var):
-        return None
-    src, wide = var.aval.shape, eqn.invars[0].aval.shape  # type: ignore[attr-defined]
-    out = eqn.outvars[0].aval.shape
-    if len(wide) != len(src) + 1:
-        return None
-    axes = [
-        a for a in range(len(src)) if dims == tuple(d if d <= a else d + 1 for d in range(len(src)))
-    ]
-    if not axes:
-        return None
-    axis = axes[0]  # the copies' axis is axis + 1
-    group = wide[axis + 1]
-    same = all(wide[dims[a]] == src[a] for a in range(len(src)))
-    merged = tuple(src[:axis]) + (src[axis] * group,) + tuple(src[axis + 1 :])
-    if not same or tuple(out) != merged or group < 2:
-        return None
-    return var, axis, group
-
-
 def fuse(eqn, vals, engine: Engine, where: str) -> Optional[list]:
     """`eqn`, a `dot_general` of the softmax and the values: the attention as one call."""
     i = 0 if isinstance(vals[0], Sym) else 1
@@ -357,16 +322,26 @@ def _unreachable():
 class Fuser:
     """Recognises the attentions of one program while the engine evaluates it."""
 
-    def __init__(self, jaxpr, consts, engine: Engine, where: Callable[[Any], str]):
+    def __init__(
+        self,
+        jaxpr,
+        consts,
+        engine: Engine,
+        where: Callable[[Any], str],
+        fuses: Optional[Callable[[str], bool]] = None,
+    ):
         self.first = candidates(jaxpr)
         self.scope = Scope(jaxpr, consts)
         self.engine = engine
         self.where = where
+        self.fuses = fuses  # module path -> whether its attention may be fused (None: all)
         self.unfused: set[int] = set()
 
     def start(self, eqn, invals, weak) -> Optional[list]:
         """At a candidate first matmul of two activations: its result, symbolically."""
         if id(eqn) not in self.first or any(weak) or any(isinstance(x, Sym) for x in invals):
+            return None
+        if self.fuses is not None and not self.fuses(self.where(eqn)):
             return None
         dtype = self.engine.dtype_for(eqn)
         if dtype is None or dtype.itemsize >= 4:

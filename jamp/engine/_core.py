@@ -4,7 +4,7 @@ compute dtype (see `jamp.engine`)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +13,7 @@ from jax.extend import core as jcore
 
 from jamp import activations as act
 from jamp import copies, fp8, jax_compat, mixed_ops, overrides
-from jamp.engine import _attention, _broadcast, _recompute
+from jamp.engine import _attention, _broadcast, _guard, _recompute, _repeats
 from jamp.engine import _values as V
 
 ComputeFor = Callable[[jcore.JaxprEqn, Optional[np.dtype]], Optional[np.dtype]]
@@ -53,7 +53,9 @@ class _Ctx:
     head: Optional[jcore.JaxprEqn] = None
     stateful: bool = True
     prefix: str = ""
-    fuse_attention: bool = True  # run recognised attention as one call (`jamp.attention`)
+    # run recognised attention as one call (`jamp.attention`): everywhere, nowhere, or where a
+    # module path says so (`_rewrite.attention_fusion`)
+    fuse_attention: Union[bool, Callable[[str], bool]] = True
     recompute: bool = True  # activation functions recomputed in the backward (`_recompute`)
     sites: dict = dataclasses.field(default_factory=dict, compare=False)
     # id -> (value, perm): `value` is `transpose(kept, perm)` of a 16-bit array `kept` that the
@@ -381,21 +383,26 @@ def _eval_eqn(eqn, invals, weak, compute_dtype, ctx: _Ctx, placed=None):
 
 def _fuser(jaxpr, consts, ctx: _Ctx, dtype_for, evaluate) -> Optional[_attention.Fuser]:
     """The attention recogniser of this program, if attention may be fused in it."""
-    if not ctx.fuse_attention:
+    if ctx.fuse_attention is False:
         return None
-    fuser = _attention.Fuser(
-        jaxpr,
-        consts,
-        _attention.Engine(
-            lambda eqn, invals: evaluate(eqn, invals)[0],
-            lambda eqn: _attention_dtype(dtype_for(eqn)),
-            lambda eqn, dtype: _matmul_out_dtype(eqn, dtype, ctx),
-            ctx.save,
-            ctx.repeated,
-        ),
-        lambda eqn: _module_path(ctx.prefix, eqn),
-    )
-    return fuser if fuser.first else None
+
+    def make() -> _attention.Fuser:
+        return _attention.Fuser(
+            jaxpr,
+            consts,
+            _attention.Engine(
+                lambda eqn, invals: evaluate(eqn, invals)[0],
+                lambda eqn: _attention_dtype(dtype_for(eqn)),
+                lambda eqn, dtype: _matmul_out_dtype(eqn, dtype, ctx),
+                ctx.save,
+                ctx.repeated,
+            ),
+            lambda eqn: _module_path(ctx.prefix, eqn),
+            None if ctx.fuse_attention is True else ctx.fuse_attention,
+        )
+
+    fuser = _guard.attempt("attention", lambda: ctx.prefix, make, None)
+    return fuser if fuser is not None and fuser.first else None
 
 
 def _module_path(prefix: str, eqn) -> str:
@@ -410,12 +417,17 @@ def _attention_dtype(dtype):
 
 
 def _eval_attention(fuser, eqn, invals, weak) -> Optional[list]:
-    """`eqn` as a step of an attention being recognised, or None to evaluate it as usual."""
+    """`eqn` as a step of an attention being recognised, or None to evaluate it as usual (also
+    where the recogniser fails: the attention then runs as traced, with a warning)."""
     if any(isinstance(x, _attention.Sym) for x in invals):
         with jax.named_scope(str(eqn.source_info.name_stack) or "_"):
-            return fuser.step(eqn, invals)
+            return _guard.attempt(
+                "an attention", lambda: fuser.where(eqn), lambda: fuser.step(eqn, invals), None
+            )
     if eqn.primitive is V.DOT:
-        return fuser.start(eqn, invals, weak)
+        return _guard.attempt(
+            "an attention", lambda: fuser.where(eqn), lambda: fuser.start(eqn, invals, weak), None
+        )
     return None
 
 
@@ -465,7 +477,7 @@ def _eval(
             return _eval_eqn(eqn, invals, weak_in, dtype_for(eqn), ctx, where)
 
     fuser = _fuser(jaxpr, consts, ctx, dtype_for, evaluate)
-    made_by: dict[Any, Any] = {}  # var -> its equation, for repeats (`_attention.repeat_of`)
+    made_by: dict[Any, Any] = {}  # var -> its equation, for repeats (`_repeats.repeat_of`)
 
     def step(eqn) -> None:
         invals = [read(v) for v in eqn.invars]
@@ -489,7 +501,12 @@ def _eval(
             ctx.follow(eqn, invals[0], outs[0])
         if fuser is not None:
             made_by.update((v, eqn) for v in eqn.outvars)
-            repeat = _attention.repeat_of(eqn, made_by)
+            repeat = _guard.attempt(
+                "a repeat of keys and values",
+                lambda: _module_path(ctx.prefix, eqn),
+                lambda: _repeats.repeat_of(eqn, made_by),
+                None,
+            )
             if repeat is not None:
                 source, axis, group = repeat
                 ctx.repeats[id(outs[0])] = (outs[0], read(source), axis, group)
@@ -515,10 +532,25 @@ def _eval(
                 weak_env.update(zip(e.outvars, outs_weak))
             return [local[o] for o in region.outputs]
 
-        env.update(zip(region.outputs, jax.checkpoint(body, prevent_cse=True)(*ins)))
+        outs = _guard.attempt(
+            "an activation function recomputed in the backward",
+            lambda: _module_path(ctx.prefix, jaxpr.eqns[region.members[-1]]),
+            lambda: jax.checkpoint(body, prevent_cse=True)(*ins),
+            None,
+        )
+        if outs is None:
+            return False  # (evaluated equation by equation instead)
+        env.update(zip(region.outputs, outs))
         return True
 
-    regions = _recompute.regions(jaxpr) if ctx.recompute and not place_env else {}
+    regions: dict = {}
+    if ctx.recompute and not place_env:
+        regions = _guard.attempt(
+            "activation functions recomputed in the backward",
+            lambda: ctx.prefix,
+            lambda: _recompute.regions(jaxpr),
+            {},
+        )
     deferred = {i for r in regions.values() for i in r.members[:-1]}
     for index, eqn in enumerate(jaxpr.eqns):
         if index in deferred:
@@ -549,7 +581,7 @@ def eval_jaxpr(
     weak: Optional[Sequence[bool]] = None,
     placed: Optional[Sequence[Optional[mixed_ops.Placed]]] = None,
     head_in_fp8: bool = False,
-    fuse_attention: bool = True,
+    fuse_attention: Union[bool, Callable[[str], bool]] = True,
 ):
     """Evaluate `jaxpr` on `args`, with matmuls in the dtype that `compute_for` picks per equation.
 
@@ -567,7 +599,8 @@ def eval_jaxpr(
       placed: per argument, a `jamp.mixed_ops.Placed` (a sharded parameter) or None.
       fuse_attention: run each attention recognised in the program (softmax(q k^T) v, see
         `jamp.engine._attention`) under a 16-bit compute dtype as one call (`jamp.attention`):
-        cuDNN's fused kernel on NVIDIA GPUs.
+        cuDNN's fused kernel on NVIDIA GPUs; or a function of the attention's module path that
+        says where.
       head_in_fp8: under fp8 matmuls (`jamp.fp8.MATMUL_MARKER`), whether the program's last
         matmul (a model's output head) is fp8 too; by default it inherits bfloat16 (in
         `jamp.fp8.head_outside`, the program has no head: it is fp8).

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import fnmatch
 import functools
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import jax
 import numpy as np
 
 from jamp import activations as act
-from jamp import mixed_ops
+from jamp import mixed_ops, scopes
 from jamp.engine import _core
 from jamp.engine._core import ComputeFor, eval_jaxpr
 
@@ -41,6 +42,50 @@ def placing(placement_for: PlacementFor):
         yield
     finally:
         _PLACEMENT.reset(token)
+
+
+#: Where recognised attention runs fused: everywhere (True), nowhere (False), or by module path:
+#: a mapping of fnmatch patterns to True / False, the first that matches the path (or the
+#: nearest enclosing part of it; with or without the model's own name first) deciding, fused
+#: where none does.
+AttentionFusion = Union[bool, Mapping[str, bool]]
+
+
+def fusion_key(spec: AttentionFusion) -> Union[bool, tuple[tuple[str, bool], ...]]:
+    """A `fuse_attention=` argument checked, as a hashable value (a module's field); a bad one
+    fails here, in one line."""
+    if isinstance(spec, bool):
+        return spec
+    pairs = tuple(spec.items()) if isinstance(spec, Mapping) else spec
+    if not isinstance(pairs, tuple) or not all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], bool)
+        for p in pairs
+    ):
+        raise TypeError(
+            f"fuse_attention={spec!r}: expected True, False, or a mapping of module path "
+            'patterns to True / False, e.g. {"*/cross_attn": False}.'
+        )
+    return pairs
+
+
+def attention_fusion(spec) -> Union[bool, Callable[[str], bool]]:
+    """The engine's form of a `fuse_attention=` argument (or of its `fusion_key`)."""
+    pairs = fusion_key(spec)
+    if isinstance(pairs, bool):
+        return pairs
+
+    @functools.lru_cache(maxsize=None)
+    def fuses(path: str) -> bool:
+        parts = [p for p in scopes.plain(path).split("/") if p]
+        for n in range(len(parts), 0, -1):  # the innermost part of the path first
+            # (with the model's own name first, as its name stack has it, and without, as a
+            # module's path in its variables reads)
+            for pattern, fused in pairs:
+                if any(fnmatch.fnmatchcase("/".join(parts[i:n]), pattern) for i in (0, 1)):
+                    return fused
+        return True
+
+    return fuses
 
 
 def _inherit(eqn, inherited):
@@ -86,7 +131,7 @@ def rewrite(
     weak_argnums: Sequence[int] = (),
     reduce_dtype=np.float32,
     head_in_fp8: bool = False,
-    fuse_attention: bool = True,
+    fuse_attention: AttentionFusion = True,
 ) -> Callable:
     """Return `fn` with its matmuls and convolutions run in `compute_dtype`.
 
@@ -112,7 +157,8 @@ def rewrite(
         16-bit matmul in, and so is summed across devices in.
       fuse_attention: under a 16-bit compute dtype, run each attention recognised in the
         program as one call in that dtype (cuDNN's fused kernel on NVIDIA GPUs, the same
-        computation written out elsewhere); False leaves attention as traced.
+        computation written out elsewhere); False leaves attention as traced; a mapping of
+        module path patterns to True / False decides per attention (`AttentionFusion`).
       head_in_fp8: with `compute_dtype` `jamp.fp8.MATMUL_MARKER` (fp8 matmuls, bfloat16 between
         them), whether the function's last matmul (a model's output head) is fp8 as well; by
         default it runs in bfloat16.
@@ -123,6 +169,7 @@ def rewrite(
     compute_dtype = None if compute_dtype is None else np.dtype(compute_dtype)
     reduce_dtype = np.dtype(reduce_dtype)
     act.resolve(activations)  # a bad value fails here, not at the first call
+    fusion = attention_fusion(fuse_attention)
 
     def wrapped(*args, **kwargs):
         leaves, treedef = jax.tree.flatten((args, kwargs))
@@ -171,7 +218,7 @@ def rewrite(
             weak=weak,
             placed=placed,
             head_in_fp8=head_in_fp8,
-            fuse_attention=fuse_attention,
+            fuse_attention=fusion,
         )
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 

@@ -39,6 +39,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
+from jamp.engine import _guard
 from jamp.engine import _values as V
 
 #: A widening of fewer elements than this is left alone: recomputing its tail saves little.
@@ -291,11 +292,19 @@ def recompute_widened(fn: Callable, on_trace: Callable | None = None) -> Callabl
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
         if on_trace is not None:
             on_trace(closed.jaxpr)
-        tail, smallest = find_tail(closed.jaxpr)
+        tail, smallest = _guard.attempt(
+            "the loss's tail", lambda: "the loss", lambda: find_tail(closed.jaxpr), (set(), 0)
+        )
         flat = jax.tree.leaves(args)
+        outs = None
         if tail:
-            outs = _evaluate(closed.jaxpr, closed.consts, flat, tail, smallest)
-        else:
+            outs = _guard.attempt(
+                "the loss's tail",
+                lambda: "the loss",
+                lambda: _evaluate(closed.jaxpr, closed.consts, flat, tail, smallest),
+                None,
+            )
+        if outs is None:
             outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
