@@ -20,6 +20,7 @@ PUBLIC = {
     "module_policies",
     "FP32_MODULES",
     "PRESETS",
+    "RecognitionWarning",
     "DynamicLossScale",
     "NoOpLossScale",
     "StaticLossScale",
@@ -49,6 +50,7 @@ RANK = {
     "precision": 0.75,  # above fp8, whose marker dtype fp8 policies autocast to
     "fp8": 0.5,  # above mixed_ops, whose backward dimension numbers it shares
     "mixed_ops": 0,
+    "grouped": 0.1,  # grouped GEMMs in a compute dtype: above mixed_ops, beneath the engine
     "copies": -1,  # the params' 16-bit copies: beneath mixed_ops and the engine, which read them
     "activations": 0,
     "hlo": 0,

@@ -12,7 +12,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jamp import activations as act
-from jamp import copies, fp8, jax_compat, mixed_ops, overrides
+from jamp import copies, fp8, grouped, jax_compat, mixed_ops, overrides
 from jamp.engine import _attention, _broadcast, _guard, _recompute, _repeats
 from jamp.engine import _values as V
 
@@ -34,9 +34,7 @@ def _changes(jaxpr: jcore.Jaxpr, compute_dtype, ctx: "_Ctx") -> bool:
         dtype = _choose(ctx, eqn, compute_dtype)
         if dtype is not None and ctx.lower and dtype.itemsize < 4:
             return True  # activations may be carried in 16 bits from here on
-        if eqn.primitive in (V.DOT, V.CONV) and V.needs_rewrite(
-            [v.aval for v in eqn.invars], dtype
-        ):
+        if eqn.primitive.name in V.MATMULS and V.needs_rewrite([v.aval for v in eqn.invars], dtype):
             return True
         if any(_changes(sub, dtype, _within(ctx, eqn)) for sub in V.sub_jaxprs(eqn)):
             return True
@@ -165,6 +163,21 @@ def _matmul_out_dtype(eqn, compute_dtype, ctx: _Ctx):
     return fp8.carrier(compute_dtype) if lowered else traced
 
 
+_WARNED: set[str] = set()  # the uncovered contractions warned of, once each per process
+
+
+def _warn_uncovered(eqn, invals, compute_dtype) -> None:
+    """A float32 contraction the engine leaves as traced, under a 16-bit policy: said once."""
+    name = eqn.primitive.name
+    if name not in V.UNCOVERED_CONTRACTIONS or name in _WARNED:
+        return
+    if compute_dtype is None or compute_dtype.itemsize >= 4:
+        return
+    if any(V.is_float_dtype(V.dtype_of(x)) and V.dtype_of(x).itemsize >= 4 for x in invals):
+        _WARNED.add(name)
+        _guard.uncovered(name)
+
+
 def _fp8_dot(eqn, invals, compute_dtype, ctx: _Ctx, placed):
     site = None
     if ctx.stateful:
@@ -190,7 +203,7 @@ def _eval_as_traced(eqn, invals, compute_dtype, ctx: _Ctx, weak=None, placed=Non
     """The equation with its matmuls rewritten and everything else as traced."""
     # The mixed matmuls cast their operands themselves: a 16-bit activation goes in as it is, and
     # its gradient comes back 16-bit.
-    if eqn.primitive not in (V.DOT, V.CONV) or not V.needs_rewrite(invals, compute_dtype):
+    if eqn.primitive.name not in V.MATMULS or not V.needs_rewrite(invals, compute_dtype):
         invals = V.as_traced(eqn, invals)
     if (
         eqn.primitive is V.DOT
@@ -215,6 +228,15 @@ def _eval_as_traced(eqn, invals, compute_dtype, ctx: _Ctx, weak=None, placed=Non
         conv_dtype = fp8.carrier(compute_dtype)  # fp8 is for matmuls only
         lhs, rhs = invals
         return [mixed_ops.mixed_conv(lhs, rhs, eqn.params, conv_dtype, out_dtype, where)]
+    if eqn.primitive.name == V.RAGGED and V.needs_rewrite(invals, compute_dtype):
+        if grouped.covers(eqn):  # grouped GEMMs run in bfloat16 under fp8 (`jamp.grouped`)
+            out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)
+            dims = jax_compat.param(eqn, "ragged_dot_dimension_numbers")
+            lhs, rhs, sizes = invals
+            gemm_dtype = fp8.carrier(compute_dtype)
+            return [grouped.mixed_ragged_dot(lhs, rhs, sizes, dims, gemm_dtype, out_dtype)]
+        invals = V.as_traced(eqn, invals)
+    _warn_uncovered(eqn, invals, compute_dtype)
     if jax_compat.is_kernel(eqn):  # a kernel runs as written, on its traced operand dtypes
         return V.bind(eqn, invals, eqn.params)
     if eqn.primitive.name == "shard_map":

@@ -13,16 +13,18 @@ from __future__ import annotations
 import warnings
 from typing import Callable, TypeVar
 
-__all__ = ["RecognitionWarning", "attempt", "warn"]
+__all__ = ["RecognitionWarning", "attempt", "uncovered", "warn"]
 
 _T = TypeVar("_T")
 
 
 class RecognitionWarning(UserWarning):
-    """A pattern jamp recognises (an attention, a repeat of keys and values, a recomputed
-    activation, a loss's tail) was not recognised in a module: it runs as traced instead, equation
-    by equation, under the same policy. Silence it with `warnings.filterwarnings("ignore",
-    category=jamp.RecognitionWarning)`; please report the model."""
+    """Part of a program does not run as the policy would have it, and runs as traced instead:
+    a pattern jamp recognises (an attention, a repeat of keys and values, a recomputed activation,
+    a loss's tail) was not recognised in a module (it runs equation by equation, under the same
+    policy), or a contraction jamp does not rewrite (`jamp.engine.UNCOVERED_CONTRACTIONS`) runs in
+    float32. Silence it with `warnings.filterwarnings("ignore", category=jamp.RecognitionWarning)`;
+    please report the model."""
 
 
 def warn(what: str, where: str, error: BaseException) -> None:
@@ -31,6 +33,16 @@ def warn(what: str, where: str, error: BaseException) -> None:
     warnings.warn(
         f"jamp: {what} in {where or 'the top-level program'} was not recognised ({detail}); "
         "it runs as traced, each matmul still under the policy.",
+        RecognitionWarning,
+        stacklevel=2,
+    )
+
+
+def uncovered(primitive: str) -> None:
+    """One line: a float32 contraction that jamp leaves as traced under a 16-bit policy."""
+    warnings.warn(
+        f"jamp: `{primitive}` is a contraction jamp does not run in the policy's compute dtype "
+        "(in this form); it runs as traced, in float32.",
         RecognitionWarning,
         stacklevel=2,
     )

@@ -18,6 +18,18 @@ from jamp import copies, jax_compat, mixed_ops
 
 DOT = lax.dot_general_p
 CONV = lax.conv_general_dilated_p
+#: Grouped GEMMs (`lax.ragged_dot`: a mixture of experts), by name (JAX exports no primitive).
+RAGGED = "ragged_dot_general"
+#: The contractions the engine runs in the compute dtype (`jamp.mixed_ops`, `jamp.grouped`).
+MATMULS = frozenset({DOT.name, CONV.name, RAGGED})
+
+#: JAX's other primitives that contract float operands, which the engine leaves as traced: a
+#: float32 one under a 16-bit policy gets a one-time `RecognitionWarning` naming it. (Linear
+#: algebra, `triangular_solve`, `cholesky`, `qr`, ..., also stays as traced, deliberately and
+#: without a warning: as under PyTorch's autocast, its accuracy needs float32. `pallas_call`
+#: kernels run as written; cuDNN's attention and scaled matmuls take the dtypes their caller
+#: chose.)
+UNCOVERED_CONTRACTIONS = frozenset({"symmetric_product", "ragged_dot_general"})
 
 
 def is_float(x) -> bool:
@@ -25,7 +37,7 @@ def is_float(x) -> bool:
 
 
 def needs_rewrite(invals, compute_dtype) -> bool:
-    lhs, rhs = invals
+    lhs, rhs = invals[:2]  # (a grouped GEMM's third operand: its group sizes)
     if compute_dtype is None or not (is_float(lhs) and is_float(rhs)):
         return False
     if lhs.dtype != compute_dtype or rhs.dtype != compute_dtype:
@@ -64,7 +76,7 @@ def sub_jaxprs(eqn):
 
 def has_matmul(jaxpr: jcore.Jaxpr) -> bool:
     for eqn in jaxpr.eqns:
-        if eqn.primitive in (DOT, CONV):
+        if eqn.primitive.name in MATMULS:
             return True
         if any(has_matmul(sub) for sub in sub_jaxprs(eqn)):
             return True

@@ -30,7 +30,7 @@ from jamp.inspect import _paths
 from jamp.nnx import FP32_MODULES as NNX_FP32_MODULES
 from jamp.wrap import FP32_MODULE_NAME_SUFFIXES, FP32_MODULES
 
-MATMULS = ("dot_general", "conv_general_dilated")
+MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 #: Operations that only move, re-shape or re-label values: no arithmetic to count.
 STRUCTURAL = frozenset(
     {
@@ -90,7 +90,8 @@ def is_16bit(dtype) -> bool:
 
 
 class MatmulKind(NamedTuple):
-    """A matmul's form: "dot" or "conv", its operands' dtypes and the dtype it accumulates in.
+    """A matmul's form: "dot", "grouped" (a grouped GEMM) or "conv", its operands' dtypes and
+    the dtype it accumulates in.
 
     `upcast`: the operands hold 16-bit values widened to float32 just before the product (how
     `jamp.mixed_ops` lowers a mixed matmul on CPUs without native 16-bit matmuls): 16-bit
@@ -146,11 +147,18 @@ def _nbytes(aval) -> int:
 
 
 def matmul_flops(eqn) -> int:
-    """2 * multiply-adds of a `dot_general` or `conv_general_dilated` equation."""
+    """2 * multiply-adds of a `dot_general`, `ragged_dot_general` (each left row multiplies one
+    group's matrix) or `conv_general_dilated` equation."""
     lhs, rhs = (v.aval for v in eqn.invars[:2])
-    if eqn.primitive.name == "dot_general":
-        (_, rc), (_, rb) = jax_compat.param(eqn, "dimension_numbers")
-        free = [d for d in range(rhs.ndim) if d not in set(rc) | set(rb)]
+    if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
+        group: tuple = ()
+        if eqn.primitive.name == "dot_general":
+            (_, rc), (_, rb) = jax_compat.param(eqn, "dimension_numbers")
+        else:
+            dims = jax_compat.param(eqn, "ragged_dot_dimension_numbers")
+            (_, rc), (_, rb) = dims.dot_dimension_numbers
+            group = tuple(dims.rhs_group_dimensions)
+        free = [d for d in range(rhs.ndim) if d not in set(rc) | set(rb) | set(group)]
         return 2 * _size(lhs) * int(math.prod(rhs.shape[d] for d in free))
     out = eqn.outvars[0].aval
     out_features = rhs.shape[jax_compat.param(eqn, "dimension_numbers").rhs_spec[0]]
@@ -313,7 +321,7 @@ class Walker:
         if not (is_float(lhs) and is_float(rhs)):
             return
         acc = eqn.params.get("preferred_element_type") or out.dtype
-        op = "dot" if eqn.primitive.name == "dot_general" else "conv"
+        op = {"dot_general": "dot", "ragged_dot_general": "grouped"}.get(eqn.primitive.name, "conv")
         flops = matmul_flops(eqn) * times
         stats = self.stats[(path, phase)]
         widened = [widened_from(v, producers) for v in eqn.invars[:2]]
