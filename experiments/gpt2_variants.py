@@ -14,6 +14,12 @@ the logits cast to float32):
   lm_jamp_bf16_onehot
                     the same with the loss on one-hot labels (`optax.softmax_cross_entropy`, as
                     Hugging Face's Flax language-modelling example writes it)
+  lm_jamp_bf16_sliced
+                    the same with the logits shifted instead of the inputs: the model reads all
+                    the batch's tokens, `logits[:, :-1]` against `tokens[:, 1:]`, integer labels
+  lm_jamp_bf16_hfloss, hf_jamp_bf16_hfloss
+                    the loss exactly as Hugging Face's Flax recipe (run_clm_flax) writes it:
+                    logits shifted, `optax.softmax_cross_entropy` on `onehot(labels)`
   lm_jamp_f16       jamp.wrap(model, "mixed_float16") + make_train_step, dynamic loss scale
   lm_jamp_fp8       jamp.wrap(model, "mixed_fp8") + make_train_step, delayed scaling (history 16)
   lm_hand_bf16      the same network written by hand in bf16 Flax (peers_flax.HandLM) with
@@ -60,6 +66,8 @@ VARIANTS = (
     "lm_jamp_bf16_losses",
     "lm_jamp_bf16_chunked",
     "lm_jamp_bf16_onehot",
+    "lm_jamp_bf16_sliced",
+    "lm_jamp_bf16_hfloss",
     "lm_jamp_f16",
     "lm_jamp_fp8",
     "lm_hand_bf16",
@@ -67,6 +75,7 @@ VARIANTS = (
     "hf_fp32",
     "hf_bf16",
     "hf_jamp_bf16",
+    "hf_jamp_bf16_hfloss",
     "hf_plain_bf16",
     "llama_jamp_bf16",
     "llama_plain_bf16",
@@ -171,6 +180,28 @@ def _onehot_loss(logits, tokens):
     return optax.softmax_cross_entropy(logits.astype(jnp.float32), labels).mean()
 
 
+def _sliced_loss(logits, tokens):
+    """The logits shifted, not the inputs: the model read `tokens[:, :-1]` (the batch's input
+    ids), the last position's logits are dropped, the labels are the inputs shifted."""
+    inputs = tokens[:, :-1]
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], inputs[:, 1:]).mean()
+
+
+def _hf_loss(logits, tokens):
+    """Hugging Face's run_clm_flax, as it writes it: `shift_logits = logits[..., :-1, :]`,
+    `shift_labels = labels[..., 1:]`, `optax.softmax_cross_entropy(shift_logits,
+    onehot(shift_labels, logits.shape[-1]))`, the labels being the input ids."""
+    from flax.training.common_utils import onehot
+
+    labels = tokens[:, :-1]
+    shift_logits, shift_labels = logits[..., :-1, :], labels[..., 1:]
+    return optax.softmax_cross_entropy(shift_logits, onehot(shift_labels, logits.shape[-1])).mean()
+
+
+#: The loss of each loss-form suffix of a variant's name (the rest take `_loss`).
+LOSSES = {"_onehot": _onehot_loss, "_sliced": _sliced_loss, "_hfloss": _hf_loss}
+
+
 def _jamp_loss(logits, tokens):
     return jamp.losses.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
@@ -182,9 +213,11 @@ def build(name: str, batch: int = 8, quick: bool = False, shape: dict | None = N
         raise ValueError(f"unknown variant {name!r}; variants: {', '.join(VARIANTS)}")
     shape = shape or (QUICK if quick else GPT2)
     family, kind = name.split("_", 1)
-    loss_of = {"_losses": _jamp_loss, "_onehot": _onehot_loss}.get(kind[kind.rfind("_") :], _loss)
+    suffix = kind[kind.rfind("_") :]
+    loss_of = {"_losses": _jamp_loss, **LOSSES}.get(suffix, _loss)
     chunked = kind.endswith("_chunked")
-    kind = kind.removesuffix("_losses").removesuffix("_chunked").removesuffix("_onehot")
+    if suffix in ("_losses", "_chunked", *LOSSES):
+        kind = kind.removesuffix(suffix)
     policy = POLICIES.get(kind)
     wrap_policy = policy or ("mixed_bfloat16" if kind == "plain_bf16" else None)
     if family == "lm" and kind == "hand_bf16":

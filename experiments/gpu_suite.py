@@ -8,7 +8,9 @@ tokens): jamp mixed_bfloat16, the same with the head and loss in chunks
 (jamp.losses.fused_linear_cross_entropy), float32 (TF32: JAX's default precision on NVIDIA
 GPUs), the hand-written bf16 network with cuDNN attention, PyTorch's GPT-2 (Hugging Face's) under
 torch.autocast(bfloat16) + torch.compile as the peer (gpu_suite_torch.py), jamp mixed_float16
-(dynamic loss scale), Hugging Face's Flax GPT-2 wrapped in mixed_bfloat16 (transformers < 5);
+(dynamic loss scale), Hugging Face's Flax GPT-2 wrapped in mixed_bfloat16 (transformers < 5),
+with the inputs shifted and with the loss as Hugging Face's own recipe writes it (run_clm_flax:
+the logits shifted, one-hot labels);
 jamp bf16 and the peer at batch 32 (where the MFU target is); jamp mixed_fp8 (delayed
 scaling); then the jamp bf16 step again under other XLA settings (command buffers off, cuBLAS
 GEMMs instead of Triton).
@@ -57,6 +59,12 @@ ROWS = (
     ("torch_compile_bf16", "torch", "", "PyTorch GPT-2, torch.autocast(bf16) + torch.compile"),
     ("lm_jamp_f16", "lm_jamp_f16", "", "jamp.wrap mixed_float16 + make_train_step (loss scale)"),
     ("hf_jamp_bf16", "hf_jamp_bf16", "", "Hugging Face Flax GPT-2, jamp.wrap mixed_bfloat16"),
+    (
+        "hf_jamp_bf16_hfloss",
+        "hf_jamp_bf16_hfloss",
+        "",
+        "the same, the loss as HF's run_clm_flax writes it (logits shifted, one-hot labels)",
+    ),
     ("lm_jamp_bf16_b32", "lm_jamp_bf16", "", "jamp.wrap mixed_bfloat16, batch 32"),
     ("torch_compile_bf16_b32", "torch", "", "PyTorch GPT-2, autocast + torch.compile, batch 32"),
     ("lm_jamp_fp8", "lm_jamp_fp8", "", "jamp.wrap mixed_fp8 (delayed scaling) + make_train_step"),
