@@ -11,10 +11,13 @@ of float32 alive at the step's peak (XLA's plan for an H200).
 (everything computed from it, transitively) are cheap elementwise work and reductions (no
 matmul, no loop, no effect), and evaluates those consumers (the tail) under `jax.checkpoint`:
 
-* what the tail computes smaller than the widened value (per-position maxima, log-normalizers,
-  the picked logits) is kept, by name, for the backward;
-* what it computes of the widened value's size is recomputed there from the 16-bit value, inside
-  the backward's own elementwise kernel: no logits-sized float32 buffer is kept or written;
+* what the tail computes much smaller than the widened value (per-position maxima,
+  log-normalizers, the picked logits: under `LARGE_FROM` of its elements) is kept, by name, for
+  the backward;
+* what it computes of about the widened value's size (the value itself, a slice of it such as
+  the next-token shift `logits[:, :-1]`, `exp(x - max)`) is recomputed there from the 16-bit
+  value, inside the backward's own elementwise kernel: no logits-sized float32 buffer is kept or
+  written;
 * a gather that picks elements along the last axis (`take_along_axis` of the labels, also over
   a batch with axes of size 1, which it gathers as offsets) stays a gather forward (one element
   read per row: no third pass over the logits beside the log-normalizer's two), and its
@@ -46,6 +49,10 @@ from jamp.engine import _values as V
 MIN_ELEMENTS = 1 << 20
 #: The name under which the tail's small values are kept for its backward.
 KEPT = "jamp_tail_kept"
+#: The share of the widened value's elements from which a value of its tail is large (recomputed in
+#: the backward, not kept): a slice of the logits (`logits[:, :-1]`, the next-token shift) is
+#: large; a row's statistic (one value per position: a vocabulary's share) is small.
+LARGE_FROM = 1 / 8
 
 # A tail with any of these inside would be costly (or unsafe) to run twice.
 _COSTLY = frozenset(
@@ -301,7 +308,9 @@ def recompute_widened(fn: Callable, on_trace: Callable | None = None) -> Callabl
             outs = _guard.attempt(
                 "the loss's tail",
                 lambda: "the loss",
-                lambda: _evaluate(closed.jaxpr, closed.consts, flat, tail, smallest),
+                lambda: _evaluate(
+                    closed.jaxpr, closed.consts, flat, tail, int(smallest * LARGE_FROM)
+                ),
                 None,
             )
         if outs is None:
@@ -311,4 +320,4 @@ def recompute_widened(fn: Callable, on_trace: Callable | None = None) -> Callabl
     return run
 
 
-__all__ = ["KEPT", "MIN_ELEMENTS", "find_tail", "recompute_widened"]
+__all__ = ["KEPT", "LARGE_FROM", "MIN_ELEMENTS", "find_tail", "recompute_widened"]
