@@ -123,6 +123,20 @@ def test_values_and_gradients_equal_the_loss_as_written(form):
     np.testing.assert_allclose(grad2, grad, rtol=1e-5, atol=1e-7)
 
 
+def test_tail_takes_in_the_slice_that_the_widened_value_is_taken_from():
+    """16-bit logits sliced, then widened: the slice is the tail's (it runs at all positions)."""
+    w, x, t = _data()
+
+    def loss(w, x, t):
+        logits = x.astype(BF16) @ w.astype(BF16)
+        return _SLICED["sliced, widened"](logits, t, None)
+
+    jaxpr = jax.make_jaxpr(loss)(w, x, t).jaxpr
+    tail, size = _tail.find_tail(jaxpr)
+    assert jaxpr.eqns[min(tail)].primitive.name == "slice"
+    assert size == N * VOCAB * 15 // 16
+
+
 @pytest.mark.parametrize("form", sorted(_SLICED))
 def test_logits_sliced_before_the_loss_give_the_loss_as_written(form):
     """Losses that slice the widened logits (or widen the sliced ones), with one-hot labels, a
@@ -347,7 +361,8 @@ def _h200_peak_inputs_shifted(kind: str) -> int:
 @pytest.mark.gpu_compile
 @pytest.mark.parametrize(
     "kind, form",
-    [("wrapped", form) for form in sorted(_SLICED)] + [("bf16", "widened, sliced")],
+    [("wrapped", form) for form in sorted(_SLICED)]
+    + [("bf16", "sliced, widened"), ("bf16", "widened, sliced")],
 )
 def test_h200_logits_sliced_before_the_loss_keep_no_float32_logits(kind, form):
     """H200 program (XLA's plan): a loss that slices the logits (`logits[:, :-1]`, Hugging Face's

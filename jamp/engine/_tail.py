@@ -24,10 +24,26 @@ matmul, no loop, no effect), and evaluates those consumers (the tail) under `jax
   backward is a select where the index hits, fused into the backward's elementwise kernel (no
   scatter into a float32 zero array). Out-of-range indices get
   what the gather's mode gives them (`clip`: the nearest; `fill`: its fill value, NaN by
-  default) and no gradient outside `clip`.
+  default) and no gradient outside `clip`;
+* a slice of the positions (any axes but the last), as the next-token shift of Hugging Face's
+  Flax recipe writes it (`logits[..., :-1, :]` against `labels[..., 1:]`), is taken last: the
+  tail runs at all positions (other operands of the sliced shape padded with zeros), and what
+  it computes is sliced only where positions meet (a sum or mean over them, a reshape that moves
+  them, an operation not known to keep them apart). The gradient outside the slice is zero, as
+  the slice's would be. Through the slice itself (its transpose, a pad, is not elementwise) XLA
+  could not give the 16-bit logits' gradient the logits' own buffer: GPT-2 small, one more
+  logits-sized bf16 buffer at the peak. A slice of the 16-bit value that is then widened
+  (`logits[:, :-1].astype(f32)`) belongs to the tail, as the widening does.
 
-Values and gradients are those of `fn`, computed by the same operations in the same dtypes.
-`fn` runs as traced when it has no such tail.
+Losses so covered, with the logits shifted or the inputs: optax's cross-entropy on integer or
+one-hot labels (`softmax_cross_entropy`, `smooth_labels`), `log_softmax` and a pick, a mean
+masked by padding, a z-loss (`logsumexp(logits) ** 2`), the positions flattened first
+(`logits.reshape(-1, vocab)`). A slice of the last axis (the vocabulary: `logits[..., :50257]`)
+is an ordinary operation of the tail: nothing float32 of the logits' size is kept, but the
+gradient is padded.
+
+Values and gradients are those of `fn`, computed by the same operations in the same dtypes
+(at more positions, where a slice is taken last). `fn` runs as traced when it has no such tail.
 """
 
 from __future__ import annotations
@@ -119,14 +135,27 @@ def _closure(eqns, start: int) -> set[int] | None:
     return found
 
 
+def _slicing(eqns, seed: int) -> int | None:
+    """The equation that slices the value equation `seed` widens (`logits[:, :-1].astype(f32)`),
+    if a slice makes it."""
+    widened = eqns[seed].invars[0]
+    for j in range(seed - 1, -1, -1):
+        if widened in eqns[j].outvars:
+            return j if eqns[j].primitive.name == "slice" else None
+    return None
+
+
 def find_tail(jaxpr: jcore.Jaxpr) -> tuple[set[int], int]:
-    """(indices of the tail's equations, the smallest widened size) of `jaxpr`; empty if none."""
+    """(indices of the tail's equations, the smallest widened size) of `jaxpr`; empty if none. A
+    slice that the widened value is taken from belongs to the tail where all it makes does."""
     tail: set[int] = set()
     smallest = 0
     for i, eqn in enumerate(jaxpr.eqns):
         if i in tail or not _is_seed(eqn):
             continue
-        found = _closure(jaxpr.eqns, i)
+        start = _slicing(jaxpr.eqns, i)
+        found = None if start is None or start in tail else _closure(jaxpr.eqns, start)
+        found = found or _closure(jaxpr.eqns, i)
         if found is not None:
             tail |= found
             size = _size(eqn.outvars[0].aval)
@@ -475,7 +504,8 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts, args, tail: set[int], keep_below: int)
     # No barrier against XLA's common-subexpression elimination: with one, the gradient of the
     # 16-bit logits cannot take the logits' own buffer (H200 program of GPT-2 small: one more
     # bf16 logits-sized buffer, +786 MiB, at the peak); without, nothing float32 is kept either.
-    widened = {e.invars[0] for e in rest if _is_seed(e)}
+    sliced = {e.outvars[0]: e.invars[0] for e in rest if e.primitive.name == "slice"}
+    widened = {sliced.get(e.invars[0], e.invars[0]) for e in rest if _is_seed(e)}
     values = jax.checkpoint(
         lambda *xs: [_taken(o) for o in _run(sub, [], xs, keep_below)],
         policy=policy,
