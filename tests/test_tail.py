@@ -2,6 +2,9 @@
 backward instead of keeping float32 copies (the same values and gradients), and on the H200
 program of a wrapped language model's train step no float32 logits are left at the peak."""
 
+import functools
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,6 +49,45 @@ _FORMS = {  # losses as users write them, on the float32 logits (vocab: the last
 }
 
 
+def _ce(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def _one_hot_ce(logits, labels, smoothing=0.0):
+    target = jax.nn.one_hot(labels, logits.shape[-1])
+    return optax.softmax_cross_entropy(logits, optax.smooth_labels(target, smoothing))
+
+
+def _z_loss(logits, labels):
+    return _ce(logits, labels) + 1e-4 * jax.nn.logsumexp(logits, axis=-1) ** 2
+
+
+# Next-token losses that shift the logits, not the inputs (Hugging Face's run_clm_flax): `lg`,
+# every position's logits (16-bit, or float32 as a wrapped model hands them; `.astype(F32)` is
+# where each form widens 16-bit ones); `t`, the tokens; `m`, their padding mask.
+_SLICED = {
+    "widened, sliced": lambda lg, t, m: _ce(lg.astype(F32)[:, :-1], t[:, 1:]).mean(),
+    "sliced, widened": lambda lg, t, m: _ce(lg[:, :-1].astype(F32), t[:, 1:]).mean(),
+    "one-hot (HF's recipe)": lambda lg, t, m: optax.softmax_cross_entropy(
+        lg.astype(F32)[..., :-1, :], jax.nn.one_hot(t[..., 1:], lg.shape[-1])
+    ).mean(),
+    "masked mean": lambda lg, t, m: (
+        (_ce(lg.astype(F32)[:, :-1], t[:, 1:]) * m[:, 1:]).sum() / m[:, 1:].sum()
+    ),
+    "label smoothing": lambda lg, t, m: _one_hot_ce(lg.astype(F32)[:, :-1], t[:, 1:], 0.1).mean(),
+    "z-loss": lambda lg, t, m: _z_loss(lg.astype(F32)[:, :-1], t[:, 1:]).mean(),
+    "reshaped": lambda lg, t, m: _ce(
+        lg.astype(F32)[:, :-1].reshape(-1, lg.shape[-1]), t[:, 1:].reshape(-1)
+    ).mean(),
+    # cut at both ends (a prompt's first positions); a temperature per position, which is zero
+    # where the slice cuts (what the tail computes there is not finite: no gradient comes of it)
+    "cut at both ends": lambda lg, t, m: _ce(lg.astype(F32)[:, 3:-1], t[:, 4:]).mean(),
+    "temperature per position": lambda lg, t, m: _ce(
+        lg.astype(F32)[:, :-1] / (1.0 + m[:, 1:, None]), t[:, 1:]
+    ).mean(),
+}
+
+
 def _grad(fn, *args):
     return jax.jit(jax.value_and_grad(fn, has_aux=True))(*args)
 
@@ -79,6 +121,43 @@ def test_values_and_gradients_equal_the_loss_as_written(form):
     np.testing.assert_allclose(loss2, loss, rtol=1e-6)
     assert aux2["accuracy"] == aux["accuracy"]
     np.testing.assert_allclose(grad2, grad, rtol=1e-5, atol=1e-7)
+
+
+def test_tail_takes_in_the_slice_that_the_widened_value_is_taken_from():
+    """16-bit logits sliced, then widened: the slice is the tail's (it runs at all positions)."""
+    w, x, t = _data()
+
+    def loss(w, x, t):
+        logits = x.astype(BF16) @ w.astype(BF16)
+        return _SLICED["sliced, widened"](logits, t, None)
+
+    jaxpr = jax.make_jaxpr(loss)(w, x, t).jaxpr
+    tail, size = _tail.find_tail(jaxpr)
+    assert jaxpr.eqns[min(tail)].primitive.name == "slice"
+    assert size == N * VOCAB * 15 // 16
+
+
+@pytest.mark.parametrize("form", sorted(_SLICED))
+def test_logits_sliced_before_the_loss_give_the_loss_as_written(form):
+    """Losses that slice the widened logits (or widen the sliced ones), with one-hot labels, a
+    padding mask, label smoothing, a z-loss or the positions flattened: the same values and
+    gradients, and the label's logit picked without a scatter into the logits' shape."""
+    w, x, t = _data()
+    m = (jax.random.uniform(jax.random.key(5), t.shape) < 0.8).astype(F32)
+
+    def loss_fn(w, x, t, m):
+        logits = x.astype(BF16) @ w.astype(BF16)
+        return _SLICED[form](logits, t, m), {}
+
+    (loss, _), grad = _grad(loss_fn, w, x, t, m)
+    (loss2, _), grad2 = _grad(recompute_widened(loss_fn), w, x, t, m)
+    np.testing.assert_allclose(loss2, loss, rtol=1e-6)
+    np.testing.assert_allclose(grad2, grad, rtol=1e-5, atol=1e-7)
+    assert _tail.find_tail(jax.make_jaxpr(loss_fn)(w, x, t, m).jaxpr)[0]
+    jaxpr = jax.make_jaxpr(jax.grad(lambda w: recompute_widened(loss_fn)(w, x, t, m)[0]))(w)
+    assert not re.search(
+        rf"f32\[[0-9,]*{VOCAB}\] = scatter", str(jaxpr)
+    )  # none of the logits' size
 
 
 @pytest.mark.parametrize("mode", [None, "clip", "fill"])
@@ -174,15 +253,22 @@ _LOGITS_F32 = _LM_BATCH * _LM_LENGTH * _LM_VOCAB * 4
 
 def _h200_step(model, form: str):
     """make_train_step of the wrapped LM `model`, the loss `_FORMS[form]` on its logits (as users
-    write it), compiled for one H200 (jamp.compile_for's report)."""
+    write it) or `_SLICED[form]`, compiled for one H200 (jamp.compile_for's report)."""
     tx = optax.adamw(1e-3)
     params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
     state = jax.eval_shape(lambda: jamp.TrainState.create(params, tx))
-    tokens = {"tokens": jax.ShapeDtypeStruct((_LM_BATCH, _LM_LENGTH + 1), jnp.int32)}
+    shape = (_LM_BATCH, _LM_LENGTH + 1)
+    tokens = {
+        "tokens": jax.ShapeDtypeStruct(shape, jnp.int32),
+        "mask": jax.ShapeDtypeStruct(shape, jnp.float32),
+    }
     key = jax.eval_shape(lambda: jax.random.key(0))
 
     def loss_fn(p, model_state, batch_, rng):
         t = batch_["tokens"]
+        if form in _SLICED:  # the model sees _LM_LENGTH tokens; the loss slices their logits
+            t, m = t[:, :-1], batch_["mask"][:, :-1]
+            return _SLICED[form](model.apply({"params": p}, t), t, m), (model_state, {})
         logits = model.apply({"params": p}, t[:, :-1]).astype(jnp.float32)
         return _FORMS[form](logits, t[:, 1:]).mean(), (model_state, {})
 
@@ -243,3 +329,46 @@ def test_h200_losses_as_written_keep_no_float32_logits(form, bias):
 
     report = _h200_step(jamp.wrap(LM(), "mixed_bfloat16"), form)
     assert report.memory.temporaries_by_dtype["f32"] < _LOGITS_F32 / 2
+
+
+def _lm(kind: str):
+    """A small LM: jamp's TransformerLM wrapped ("wrapped": float32 logits of a bf16 head), or a
+    Flax LM computing in bf16 ("bf16": bf16 logits, widened by the loss)."""
+    import flax.linen as nn
+
+    from jamp.models.transformer import TransformerLM
+
+    if kind == "wrapped":
+        lm = TransformerLM(
+            _LM_VOCAB, num_layers=2, d_model=128, num_heads=2, mlp_dim=256, max_len=_LM_LENGTH
+        )
+        return jamp.wrap(lm, "mixed_bfloat16")
+
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, t):
+            x = nn.Dense(128, dtype=BF16)(nn.LayerNorm()(nn.Embed(_LM_VOCAB, 128)(t)))
+            return nn.Dense(_LM_VOCAB, dtype=BF16)(nn.LayerNorm()(x))
+
+    return LM()
+
+
+@functools.cache
+def _h200_peak_inputs_shifted(kind: str) -> int:
+    return _h200_step(_lm(kind), "integer labels").memory.peak
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize(
+    "kind, form",
+    [("wrapped", form) for form in sorted(_SLICED)]
+    + [("bf16", "sliced, widened"), ("bf16", "widened, sliced")],
+)
+def test_h200_logits_sliced_before_the_loss_keep_no_float32_logits(kind, form):
+    """H200 program (XLA's plan): a loss that slices the logits (`logits[:, :-1]`, Hugging Face's
+    shift) keeps no float32 value of their size at the peak, and the step's peak is that of the
+    loss on the logits of shifted inputs: the logits' gradient takes the 16-bit logits' own
+    buffer (through the slice's transpose, a pad, XLA gave it one more of their size)."""
+    report = _h200_step(_lm(kind), form)
+    assert report.memory.temporaries_by_dtype["f32"] < _LOGITS_F32 / 2
+    assert report.memory.peak <= _h200_peak_inputs_shifted(kind) * 1.01

@@ -11,20 +11,39 @@ of float32 alive at the step's peak (XLA's plan for an H200).
 (everything computed from it, transitively) are cheap elementwise work and reductions (no
 matmul, no loop, no effect), and evaluates those consumers (the tail) under `jax.checkpoint`:
 
-* what the tail computes smaller than the widened value (per-position maxima, log-normalizers,
-  the picked logits) is kept, by name, for the backward;
-* what it computes of the widened value's size is recomputed there from the 16-bit value, inside
-  the backward's own elementwise kernel: no logits-sized float32 buffer is kept or written;
+* what the tail computes much smaller than the widened value (per-position maxima,
+  log-normalizers, the picked logits: under `LARGE_FROM` of its elements) is kept, by name, for
+  the backward;
+* what it computes of about the widened value's size (the value itself, a slice of it such as
+  the next-token shift `logits[:, :-1]`, `exp(x - max)`) is recomputed there from the 16-bit
+  value, inside the backward's own elementwise kernel: no logits-sized float32 buffer is kept or
+  written;
 * a gather that picks elements along the last axis (`take_along_axis` of the labels, also over
   a batch with axes of size 1, which it gathers as offsets) stays a gather forward (one element
   read per row: no third pass over the logits beside the log-normalizer's two), and its
   backward is a select where the index hits, fused into the backward's elementwise kernel (no
   scatter into a float32 zero array). Out-of-range indices get
   what the gather's mode gives them (`clip`: the nearest; `fill`: its fill value, NaN by
-  default) and no gradient outside `clip`.
+  default) and no gradient outside `clip`;
+* a slice of the positions (any axes but the last), as the next-token shift of Hugging Face's
+  Flax recipe writes it (`logits[..., :-1, :]` against `labels[..., 1:]`), is taken last: the
+  tail runs at all positions (other operands of the sliced shape padded with zeros), and what
+  it computes is sliced only where positions meet (a sum or mean over them, a reshape that moves
+  them, an operation not known to keep them apart). The gradient outside the slice is zero, as
+  the slice's would be. Through the slice itself (its transpose, a pad, is not elementwise) XLA
+  could not give the 16-bit logits' gradient the logits' own buffer: GPT-2 small, one more
+  logits-sized bf16 buffer at the peak. A slice of the 16-bit value that is then widened
+  (`logits[:, :-1].astype(f32)`) belongs to the tail, as the widening does.
 
-Values and gradients are those of `fn`, computed by the same operations in the same dtypes.
-`fn` runs as traced when it has no such tail.
+Losses so covered, with the logits shifted or the inputs: optax's cross-entropy on integer or
+one-hot labels (`softmax_cross_entropy`, `smooth_labels`), `log_softmax` and a pick, a mean
+masked by padding, a z-loss (`logsumexp(logits) ** 2`), the positions flattened first
+(`logits.reshape(-1, vocab)`). A slice of the last axis (the vocabulary: `logits[..., :50257]`)
+is an ordinary operation of the tail: nothing float32 of the logits' size is kept, but the
+gradient is padded.
+
+Values and gradients are those of `fn`, computed by the same operations in the same dtypes
+(at more positions, where a slice is taken last). `fn` runs as traced when it has no such tail.
 """
 
 from __future__ import annotations
@@ -46,6 +65,10 @@ from jamp.engine import _values as V
 MIN_ELEMENTS = 1 << 20
 #: The name under which the tail's small values are kept for its backward.
 KEPT = "jamp_tail_kept"
+#: The share of the widened value's elements from which a value of its tail is large (recomputed in
+#: the backward, not kept): a slice of the logits (`logits[:, :-1]`, the next-token shift) is
+#: large; a row's statistic (one value per position: a vocabulary's share) is small.
+LARGE_FROM = 1 / 8
 
 # A tail with any of these inside would be costly (or unsafe) to run twice.
 _COSTLY = frozenset(
@@ -62,6 +85,14 @@ _COSTLY = frozenset(
 _JIT = ("jit", "pjit")
 _REDUCTIONS = frozenset(
     {"reduce_max", "reduce_min", "reduce_sum", "reduce_prod", "argmax", "argmin"}
+)
+# Operations element by element (operands of the result's shape, of size 1 along an axis, or
+# scalars): computed at all positions where an operand is (`_Padded`).
+_ELEMENTWISE = frozenset(
+    """abs add add_any and ceil clamp convert_element_type copy cos div eq erf erf_inv erfc exp
+    exp2 expm1 floor ge gt integer_pow is_finite le log log1p logistic lt max min mul ne neg not
+    or pow reduce_precision rem round rsqrt select_n sign sin sqrt square stop_gradient sub tan
+    tanh xor""".split()
 )
 
 
@@ -104,14 +135,27 @@ def _closure(eqns, start: int) -> set[int] | None:
     return found
 
 
+def _slicing(eqns, seed: int) -> int | None:
+    """The equation that slices the value equation `seed` widens (`logits[:, :-1].astype(f32)`),
+    if a slice makes it."""
+    widened = eqns[seed].invars[0]
+    for j in range(seed - 1, -1, -1):
+        if widened in eqns[j].outvars:
+            return j if eqns[j].primitive.name == "slice" else None
+    return None
+
+
 def find_tail(jaxpr: jcore.Jaxpr) -> tuple[set[int], int]:
-    """(indices of the tail's equations, the smallest widened size) of `jaxpr`; empty if none."""
+    """(indices of the tail's equations, the smallest widened size) of `jaxpr`; empty if none. A
+    slice that the widened value is taken from belongs to the tail where all it makes does."""
     tail: set[int] = set()
     smallest = 0
     for i, eqn in enumerate(jaxpr.eqns):
         if i in tail or not _is_seed(eqn):
             continue
-        found = _closure(jaxpr.eqns, i)
+        start = _slicing(jaxpr.eqns, i)
+        found = None if start is None or start in tail else _closure(jaxpr.eqns, start)
+        found = found or _closure(jaxpr.eqns, i)
         if found is not None:
             tail |= found
             size = _size(eqn.outvars[0].aval)
@@ -185,6 +229,141 @@ def _pick(eqn, form: str, x, indices):
     return pick(x, indices)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Region:
+    """The positions a slice of the widened value keeps (its axes but the last, the vocabulary):
+    `starts` to `limits` of `whole`. `flat`: a value's positions merged into its first axis, as
+    `logits.reshape(-1, vocab)` merges them."""
+
+    whole: tuple[int, ...]
+    starts: tuple[int, ...]
+    limits: tuple[int, ...]
+    flat: bool = False
+
+    @property
+    def lead(self) -> int:  # a value's axes that are positions
+        return 1 if self.flat else len(self.whole)
+
+    def _shape(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        return (int(np.prod(sizes, dtype=np.int64)),) if self.flat else sizes
+
+    def kept(self) -> tuple[int, ...]:
+        return self._shape(tuple(b - a for a, b in zip(self.starts, self.limits)))
+
+    def spread(self, shape) -> tuple[int, ...]:
+        """`shape` (of a value at the kept positions) over all positions."""
+        return self._shape(self.whole) + tuple(shape[self.lead :])
+
+    def take(self, x):
+        """The kept positions of `x` (a value over all positions)."""
+        rest = tuple(x.shape[self.lead :])
+        x = x.reshape(self.whole + rest)
+        x = lax.slice(x, self.starts + (0,) * len(rest), self.limits + rest)
+        return x.reshape(self.kept() + rest)
+
+    def put(self, x):
+        """`x` (a value at the kept positions) over all positions, zeros at the others."""
+        rest = tuple(x.shape[self.lead :])
+        x = x.reshape(tuple(b - a for a, b in zip(self.starts, self.limits)) + rest)
+        edges = [(a, w - b, 0) for a, b, w in zip(self.starts, self.limits, self.whole)]
+        x = lax.pad(x, jnp.zeros((), x.dtype), edges + [(0, 0, 0)] * len(rest))
+        return x.reshape(self._shape(self.whole) + rest)
+
+    def mask(self, shape):
+        """True at the kept positions of an array of `shape` (over all positions, not flat)."""
+        keep = jnp.ones(shape, bool)
+        for axis, (a, b) in enumerate(zip(self.starts, self.limits)):
+            at = lax.broadcasted_iota(np.int32, shape, axis)
+            keep = keep & (at >= a) & (at < b)
+        return keep
+
+
+@dataclasses.dataclass(frozen=True)
+class _Padded:
+    """A value of the tail at the positions `region` keeps, held as `whole`, the same computed at
+    all positions: a slice of the widened value (the next-token shift `logits[:, :-1]`) is taken
+    of the values computed from it only where positions meet (a sum over them, a reshape that
+    moves them), so the backward reads and writes the logits whole. XLA gives the 16-bit
+    logits' gradient the logits' own buffer then; through a slice it cannot (its transpose, a
+    pad, is not elementwise): one more 16-bit logits-sized buffer at the step's peak."""
+
+    whole: Any
+    region: _Region
+
+
+def _within(x, region: _Region):
+    """`x`, whose gradient is zero outside the positions `region` keeps (what a slice's transpose
+    gives; what the tail computes there is not the program's, and may not be finite)."""
+
+    @jax.custom_vjp
+    def within(x):
+        return x
+
+    def backward(_, g):
+        return (jnp.where(region.mask(g.shape), g, jnp.zeros((), g.dtype)),)
+
+    within.defvjp(lambda x: (x, None), backward)
+    return within(x)
+
+
+def _shift(eqn, x, keep_below: int) -> _Padded | None:
+    """A slice of the positions (not the last axis) of a large value, kept for last."""
+    if eqn.primitive.name != "slice" or isinstance(x, _Padded) or np.size(x) < keep_below:
+        return None
+    starts, limits = tuple(eqn.params["start_indices"]), tuple(eqn.params["limit_indices"])
+    strides = eqn.params.get("strides")
+    if (strides and any(s != 1 for s in strides)) or (starts[-1], limits[-1]) != (0, x.shape[-1]):
+        return None
+    region = _Region(tuple(x.shape[:-1]), starts[:-1], limits[:-1])
+    return _Padded(_within(x, region), region)
+
+
+def _spread_operand(x, region: _Region):
+    """An operand of an elementwise operation over all positions: None if it cannot be."""
+    if isinstance(x, _Padded):
+        return x.whole if x.region == region else None
+    shape = np.shape(x)
+    if not shape or all(d == 1 for d in shape[: region.lead]):  # the same at every position
+        return x
+    return region.put(x) if tuple(shape[: region.lead]) == region.kept() else None
+
+
+def _picks_at(invals, region: _Region) -> bool:
+    """A pick's operand `_Padded`, its indices at the positions `region` keeps."""
+    operand, indices = invals
+    return (
+        isinstance(operand, _Padded)
+        and operand.region == region
+        and not isinstance(indices, _Padded)
+        and tuple(np.shape(indices)[: region.lead]) == region.kept()
+    )
+
+
+def _layout(eqn, x: _Padded):
+    """A reshape, broadcast or squeeze of `x` that keeps its positions, over all of them; None
+    for one that moves them."""
+    name, region, shape = eqn.primitive.name, x.region, eqn.outvars[0].aval.shape
+    lead = region.lead
+    if name == "reshape" and eqn.params.get("dimensions") is not None:
+        return None
+    if name == "reshape" and not region.flat and shape[1:] == np.shape(x.whole)[lead:]:
+        if len(shape) and shape[0] == int(np.prod(region.kept(), dtype=np.int64)):
+            flat = dataclasses.replace(region, flat=True)  # the positions merged into one axis
+            return _Padded(x.whole.reshape(flat.spread(shape)), flat)
+    if tuple(shape[:lead]) != region.kept():
+        return None
+    if name == "reshape":
+        return _Padded(x.whole.reshape(region.spread(shape)), region)
+    if name == "broadcast_in_dim" and tuple(eqn.params["broadcast_dimensions"][:lead]) == tuple(
+        range(lead)
+    ):
+        params = dict(eqn.params, shape=region.spread(shape))
+        return _Padded(V.bind(eqn, [x.whole], params)[0], region)
+    if name == "squeeze" and min(eqn.params["dimensions"]) >= lead:
+        return _Padded(V.bind(eqn, [x.whole], eqn.params)[0], region)
+    return None
+
+
 @jax.custom_vjp
 def _gradient_written(x):
     """`x`, whose gradient is written out whole in its own dtype before anything reads it.
@@ -217,9 +396,60 @@ class _Program:
     eqns: list
 
 
+def _positionwise(eqn, invals, keep_below: int) -> list | None:
+    """`eqn` at all positions where an operand is `_Padded` (its results `_Padded` too); None
+    where it mixes positions (a sum over them) or is not known to keep them apart."""
+    if not invals:
+        return None
+    if (shifted := _shift(eqn, invals[0], keep_below)) is not None:
+        return [shifted]
+    padded = [x for x in invals if isinstance(x, _Padded)]
+    if not padded:
+        return None
+    name, region = eqn.primitive.name, padded[0].region
+    if name in ("reshape", "broadcast_in_dim", "squeeze") and len(invals) == 1:
+        out = _layout(eqn, padded[0])
+        return None if out is None else [out]
+    if any(tuple(v.aval.shape[: region.lead]) != region.kept() for v in eqn.outvars):
+        return None  # a result without the positions: they meet
+    if name in _ELEMENTWISE:
+        args = [_spread_operand(x, region) for x in invals]
+        if any(a is None for a in args):
+            return None
+        outs = V.bind(eqn, args, eqn.params)
+    elif name in _REDUCTIONS and all(a >= region.lead for a in eqn.params["axes"]):
+        outs = V.bind(eqn, [padded[0].whole], eqn.params)
+    elif _pick_form(eqn, eqn.invars[0].aval) == "batched" and _picks_at(invals, region):
+        outs = _bind(eqn, [padded[0].whole, region.put(invals[1])], keep_below)
+    else:
+        return None
+    return [_Padded(o, region) for o in outs]
+
+
+def _taken(x):
+    """The program's value of `x`: its kept positions if it is `_Padded`."""
+    return x.region.take(x.whole) if isinstance(x, _Padded) else x
+
+
+def _bind(eqn, invals, keep_below: int) -> list:
+    """`eqn` on `invals`; a single-element gather of a large value as a pick."""
+    if invals and (form := _pick_form(eqn, invals[0])) and np.size(invals[0]) >= keep_below:
+        return [_pick(eqn, form, *invals)]
+    return V.bind(eqn, invals, eqn.params)
+
+
+def _whole(x):
+    return x.whole if isinstance(x, _Padded) else x
+
+
+def _each(f, out):
+    return _Padded(f(out.whole), out.region) if isinstance(out, _Padded) else f(out)
+
+
 def _run(jaxpr, consts, args, keep_below: int) -> list:
-    """Evaluates `jaxpr`'s tail: sub-programs inlined, single-element gathers as picks, and
-    every float value smaller than `keep_below` elements named `KEPT`."""
+    """Evaluates `jaxpr`'s tail: sub-programs inlined, single-element gathers as picks, slices
+    of the positions taken last (`_Padded`), and every float value smaller than `keep_below`
+    elements named `KEPT`. Its results may be `_Padded`."""
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
 
@@ -232,20 +462,19 @@ def _run(jaxpr, consts, args, keep_below: int) -> list:
             if eqn.primitive.name in _JIT:
                 closed = eqn.params["jaxpr"]
                 outs = _run(closed.jaxpr, closed.consts, invals, keep_below)
-            elif (form := _pick_form(eqn, invals[0])) and np.size(invals[0]) >= keep_below:
-                outs = [_pick(eqn, form, *invals)]
-            else:
-                outs = V.bind(eqn, invals, eqn.params)
-        if eqn.primitive.name in _REDUCTIONS and np.size(invals[0]) >= keep_below:
+            elif (outs := _positionwise(eqn, invals, keep_below)) is None:
+                outs = _bind(eqn, [_taken(x) for x in invals], keep_below)
+        if eqn.primitive.name in _REDUCTIONS and np.size(_whole(invals[0])) >= keep_below:
             # A row's statistic of the large value: XLA's Triton softmax fusion would otherwise
             # join it and the elementwise work that reads it into one kernel writing a float32
             # result of the large value's size (log_softmax's, for a one-hot label's product).
-            outs = [lax.optimization_barrier(o) for o in outs]
+            outs = [_each(lax.optimization_barrier, o) for o in outs]
         for var, out in zip(eqn.outvars, outs):
             if isinstance(var, jcore.DropVar):
                 continue
-            small = 0 < np.size(out) < keep_below and V.is_float_dtype(V.dtype_of(out))
-            env[var] = checkpoint_name(out, KEPT) if small else out
+            whole = _whole(out)
+            small = 0 < np.size(whole) < keep_below and V.is_float_dtype(V.dtype_of(whole))
+            env[var] = _each(lambda o: checkpoint_name(o, KEPT), out) if small else out
     return [read(v) for v in jaxpr.outvars]
 
 
@@ -275,9 +504,12 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts, args, tail: set[int], keep_below: int)
     # No barrier against XLA's common-subexpression elimination: with one, the gradient of the
     # 16-bit logits cannot take the logits' own buffer (H200 program of GPT-2 small: one more
     # bf16 logits-sized buffer, +786 MiB, at the peak); without, nothing float32 is kept either.
-    widened = {e.invars[0] for e in rest if _is_seed(e)}
+    sliced = {e.outvars[0]: e.invars[0] for e in rest if e.primitive.name == "slice"}
+    widened = {sliced.get(e.invars[0], e.invars[0]) for e in rest if _is_seed(e)}
     values = jax.checkpoint(
-        lambda *xs: _run(sub, [], xs, keep_below), policy=policy, prevent_cse=False
+        lambda *xs: [_taken(o) for o in _run(sub, [], xs, keep_below)],
+        policy=policy,
+        prevent_cse=False,
     )(*[_gradient_written(read(v)) if v in widened else read(v) for v in needed])
     env.update(zip(outs, values))
     return [read(v) for v in jaxpr.outvars]
@@ -301,7 +533,9 @@ def recompute_widened(fn: Callable, on_trace: Callable | None = None) -> Callabl
             outs = _guard.attempt(
                 "the loss's tail",
                 lambda: "the loss",
-                lambda: _evaluate(closed.jaxpr, closed.consts, flat, tail, smallest),
+                lambda: _evaluate(
+                    closed.jaxpr, closed.consts, flat, tail, int(smallest * LARGE_FROM)
+                ),
                 None,
             )
         if outs is None:
@@ -311,4 +545,4 @@ def recompute_widened(fn: Callable, on_trace: Callable | None = None) -> Callabl
     return run
 
 
-__all__ = ["KEPT", "MIN_ELEMENTS", "find_tail", "recompute_widened"]
+__all__ = ["KEPT", "LARGE_FROM", "MIN_ELEMENTS", "find_tail", "recompute_widened"]
