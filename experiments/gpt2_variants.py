@@ -14,10 +14,10 @@ the logits cast to float32):
   lm_jamp_bf16_onehot
                     the same with the loss on one-hot labels (`optax.softmax_cross_entropy`, as
                     Hugging Face's Flax language-modelling example writes it)
-  lm_jamp_bf16_sliced
+  lm_jamp_bf16_sliced, hf_jamp_bf16_sliced
                     the same with the logits shifted instead of the inputs: the model reads all
                     the batch's tokens, `logits[:, :-1]` against `tokens[:, 1:]`, integer labels
-  lm_jamp_bf16_hfloss, hf_jamp_bf16_hfloss
+  lm_jamp_bf16_hfloss, hf_jamp_bf16_sliced, hf_jamp_bf16_hfloss
                     the loss exactly as Hugging Face's Flax recipe (run_clm_flax) writes it:
                     logits shifted, `optax.softmax_cross_entropy` on `onehot(labels)`
   lm_jamp_f16       jamp.wrap(model, "mixed_float16") + make_train_step, dynamic loss scale
@@ -75,6 +75,7 @@ VARIANTS = (
     "hf_fp32",
     "hf_bf16",
     "hf_jamp_bf16",
+    "hf_jamp_bf16_sliced",
     "hf_jamp_bf16_hfloss",
     "hf_plain_bf16",
     "llama_jamp_bf16",

@@ -372,3 +372,48 @@ def test_h200_logits_sliced_before_the_loss_keep_no_float32_logits(kind, form):
     report = _h200_step(_lm(kind), form)
     assert report.memory.temporaries_by_dtype["f32"] < _LOGITS_F32 / 2
     assert report.memory.peak <= _h200_peak_inputs_shifted(kind) * 1.01
+
+
+def _nnx_h200_step(form: str):
+    """The same for a wrapped Flax NNX LM, trained as NNX models are (`jamp.nnx.split`)."""
+    from flax import nnx
+
+    class LM(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(_LM_VOCAB, 128, rngs=rngs)
+            self.norm = nnx.LayerNorm(128, rngs=rngs)
+            self.hidden = nnx.Linear(128, 128, rngs=rngs)
+            self.head = nnx.Linear(128, _LM_VOCAB, rngs=rngs)
+
+        def __call__(self, t):
+            return self.head(self.norm(jax.nn.gelu(self.hidden(self.embed(t)))))
+
+    model = jamp.wrap(LM(nnx.Rngs(0)), "mixed_bfloat16")
+    functional, params, model_state = jamp.nnx.split(model)
+    tx = optax.adamw(1e-3)
+    state = jax.eval_shape(lambda: jamp.TrainState.create(params, tx, model_state=model_state))
+
+    def loss(model, batch_):
+        t = batch_["tokens"]
+        if form in _SLICED:
+            return _SLICED[form](model(t[:, :-1]), t[:, :-1], batch_["mask"][:, :-1])
+        return _FORMS[form](model(t[:, :-1]).astype(jnp.float32), t[:, 1:]).mean()
+
+    shape = (_LM_BATCH, _LM_LENGTH + 1)
+    batch = {
+        "tokens": jax.ShapeDtypeStruct(shape, jnp.int32),
+        "mask": jax.ShapeDtypeStruct(shape, jnp.float32),
+    }
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    step = jax.jit(jamp.make_train_step(functional.loss_fn(loss), tx))
+    return jamp.compile_for(step, state, batch, key, target="h200")
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("form", ["one-hot (HF's recipe)", "masked mean"])
+def test_h200_nnx_model_with_sliced_logits_keeps_no_float32_logits(form):
+    """A wrapped NNX LM, HF's shift of the logits: no float32 logits at the peak (XLA's plan for
+    an H200), and the peak of the loss on the logits of shifted inputs."""
+    report = _nnx_h200_step(form)
+    assert report.memory.temporaries_by_dtype["f32"] < _LOGITS_F32 / 2
+    assert report.memory.peak <= _nnx_h200_step("integer labels").memory.peak * 1.01
