@@ -427,6 +427,49 @@ def test_report_names_logits_formed_whole_and_not_the_chunked_loss():
     assert not [h for h in report.hazards if h.kind == "logits formed"]
 
 
+def test_report_names_float32_logits_kept_for_the_backward_and_what_they_cost():
+    """A train step whose loss keeps float32 logits for the backward is named, with the bytes:
+    a loss jamp's recomputed tail does not take (one computed in a loop over the batch, after
+    the 16-bit logits are widened), and any loss where the logits are float32 to begin with. HF's
+    shifted logits on 16-bit logits (activations in the compute dtype) keep none: no hazard."""
+    import optax
+
+    from jamp.models.transformer import TransformerLM
+
+    vocab, batch, length = 8192, 16, 256  # 16 x 255 x 8192 logits: 0.12 GiB in float32
+    tx = optax.adamw(1e-3)
+    tokens = {"tokens": jax.ShapeDtypeStruct((batch, length + 1), jnp.int32)}
+    key = jax.eval_shape(lambda: jax.random.key(0))
+
+    def hf_form(logits, t):
+        target = jax.nn.one_hot(t[:, 1:], vocab)
+        return optax.softmax_cross_entropy(logits[:, :-1], target).mean()
+
+    def in_a_loop(logits, t):  # per sequence, in lax.map: a loop jamp does not recompute
+        per = jax.lax.map(lambda a: hf_form(a[0][None], a[1][None]), (logits, t))
+        return per.mean()
+
+    def kept(activations, loss):
+        lm = TransformerLM(vocab, num_layers=1, d_model=64, num_heads=2, mlp_dim=128)
+        model = jamp.wrap(lm, "mixed_bfloat16", activations=activations)
+        params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+        state = jax.eval_shape(lambda: jamp.TrainState.create(params["params"], tx))
+
+        def loss_fn(p, model_state, b, rng):
+            t = b["tokens"][:, :-1]
+            return loss(model.apply({"params": p}, t), t), (model_state, {})
+
+        report = precision_report(jamp.make_train_step(loss_fn, tx), state, tokens, key)
+        return [h for h in report.hazards if h.kind == "float32 logits kept"]
+
+    assert kept("compute", hf_form) == []
+    (hazard,) = kept("compute", in_a_loop)
+    assert hazard.amount == batch * (length - 1) * vocab * 4 and "0.12 GiB" in hazard.detail
+    assert "not recomputed in this form" in hazard.detail
+    (hazard,) = kept("float32", hf_form)  # (CPU's activations: a float32 head)
+    assert "the logits are float32 here" in hazard.detail
+
+
 def test_report_takes_an_nnx_model_as_users_hold_it():
     from flax import nnx
 

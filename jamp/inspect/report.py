@@ -42,7 +42,7 @@ from jax.extend import core as jcore
 from jamp import activations as act
 from jamp import hardware, hlo
 from jamp.hlo import Gemm
-from jamp.inspect import _paths, _walk
+from jamp.inspect import _logits, _paths, _walk
 from jamp.inspect._walk import MatmulKind
 
 __all__ = ["Gemm", "Hazard", "MatmulKind", "Report", "Row", "Totals", "precision_report"]
@@ -58,12 +58,10 @@ HAZARD_KINDS = (
     "fp32 matmul",
     "fp32 GEMM in compiled HLO",
     "emulated compute dtype",
+    "float32 logits kept",
     "logits formed",
 )
-#: A softmax over at least this many classes, of at least LOGITS_ELEMENTS values, is a language
-#: model's loss over its vocabulary: its logits could be left unformed (see `_logits_hazards`).
-LOGITS_CLASSES = 8192
-LOGITS_ELEMENTS = 1 << 24
+LOGITS_CLASSES, LOGITS_ELEMENTS = _logits.CLASSES, _logits.ELEMENTS
 #: "other": work outside differentiation in a program that has a backward pass (the optimizer
 #: update, the loss-scale adjustment, the finiteness check).
 PHASES = ("forward", "backward", "other")
@@ -255,39 +253,8 @@ def _gemm_hazards(report: Report, gemms: list[Gemm]) -> list[Hazard]:
 
 
 def _logits_hazards(jaxpr) -> list[Hazard]:
-    """Each large softmax over a vocabulary (a maximum over the last axis of a [..., V] array, V
-    >= LOGITS_CLASSES) whose input the program forms whole: what jamp recomputes or keeps in 16
-    bits (`make_train_step`), but cannot chunk without knowing the head; the hazard names
-    `jamp.losses.fused_linear_cross_entropy`, which applies the head in chunks."""
-    found: dict[tuple, int] = {}
-
-    def visit(jx):
-        for eqn in jx.eqns:
-            if eqn.primitive.name not in ("scan", "while"):  # a loop's body is a chunk of it
-                for sub in jcore.jaxprs_in_params(eqn.params):
-                    visit(sub)
-            if eqn.primitive.name != "reduce_max" or not hasattr(eqn.invars[0], "aval"):
-                continue
-            aval = eqn.invars[0].aval
-            last = (aval.ndim - 1,)
-            if aval.ndim >= 2 and tuple(eqn.params.get("axes", ())) == last:
-                size = int(np.prod(aval.shape, dtype=np.int64))
-                if aval.shape[-1] >= LOGITS_CLASSES and size >= LOGITS_ELEMENTS:
-                    found[(tuple(aval.shape), np.dtype(aval.dtype).name)] = size
-
-    visit(jaxpr)
-    return [
-        Hazard(
-            "logits formed",
-            "",
-            "",
-            f"a softmax over {shape[-1]} classes reads {dtype}{list(shape)}, formed whole; "
-            "jamp.losses.fused_linear_cross_entropy(hidden, kernel, labels) applies the output "
-            "head and the loss in chunks without it",
-            size,
-        )
-        for (shape, dtype), size in found.items()
-    ]
+    """What the program does with a language model's logits (`jamp.inspect._logits`)."""
+    return [Hazard(*found) for found in _logits.kept(jaxpr) + _logits.formed(jaxpr)]
 
 
 def _hardware(compute: Optional[np.dtype]) -> tuple[Optional[str], list[Hazard]]:
