@@ -420,7 +420,7 @@ def _fuser(jaxpr, consts, ctx: _Ctx, dtype_for, evaluate) -> Optional[_attention
                 ctx.repeated,
             ),
             lambda eqn: _module_path(ctx.prefix, eqn),
-            None if ctx.fuse_attention is True else ctx.fuse_attention,
+            ctx.fuse_attention if callable(ctx.fuse_attention) else None,
         )
 
     fuser = _guard.attempt("attention", lambda: ctx.prefix, make, None)

@@ -462,8 +462,9 @@ def _run(jaxpr, consts, args, keep_below: int) -> list:
             if eqn.primitive.name in _JIT:
                 closed = eqn.params["jaxpr"]
                 outs = _run(closed.jaxpr, closed.consts, invals, keep_below)
-            elif (outs := _positionwise(eqn, invals, keep_below)) is None:
-                outs = _bind(eqn, [_taken(x) for x in invals], keep_below)
+            else:
+                done = _positionwise(eqn, invals, keep_below)
+                outs = _bind(eqn, [_taken(x) for x in invals], keep_below) if done is None else done
         if eqn.primitive.name in _REDUCTIONS and np.size(_whole(invals[0])) >= keep_below:
             # A row's statistic of the large value: XLA's Triton softmax fusion would otherwise
             # join it and the elementwise work that reads it into one kernel writing a float32
@@ -505,7 +506,7 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts, args, tail: set[int], keep_below: int)
     # 16-bit logits cannot take the logits' own buffer (H200 program of GPT-2 small: one more
     # bf16 logits-sized buffer, +786 MiB, at the peak); without, nothing float32 is kept either.
     sliced = {e.outvars[0]: e.invars[0] for e in rest if e.primitive.name == "slice"}
-    widened = {sliced.get(e.invars[0], e.invars[0]) for e in rest if _is_seed(e)}
+    widened = {sliced.get(e.invars[0], e.invars[0]) for e in rest if _is_seed(e)}  # type: ignore[arg-type]  # a seed's operand is a Var
     values = jax.checkpoint(
         lambda *xs: [_taken(o) for o in _run(sub, [], xs, keep_below)],
         policy=policy,

@@ -21,7 +21,7 @@ def _size(aval) -> int:
 
 
 def _logits_sized(aval) -> bool:
-    shape = getattr(aval, "shape", ())
+    shape: tuple = tuple(getattr(aval, "shape", ()))
     return len(shape) >= 2 and shape[-1] >= CLASSES and _size(aval) >= ELEMENTS
 
 
@@ -125,7 +125,7 @@ class _Visit:
                 for v in reads:
                     if v in made:
                         made_in = _paths.module_path(str(made[v].source_info.name_stack))
-                        key = (tuple(v.aval.shape), made_in)
+                        key = (tuple(v.aval.shape), made_in)  # type: ignore[attr-defined]  # a ShapedArray
                         self.found.setdefault(
                             key, (eqn.primitive.name, _size(v.aval) * 4, v in wide)
                         )
