@@ -44,6 +44,7 @@ gradient is padded.
 
 Values and gradients are those of `fn`, computed by the same operations in the same dtypes
 (at more positions, where a slice is taken last). `fn` runs as traced when it has no such tail.
+The label picks are `_tail_picks`', the slices of the positions `_tail_positions`'.
 """
 
 from __future__ import annotations
@@ -52,13 +53,14 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
 from jamp.engine import _guard
+from jamp.engine import _tail_picks as P
+from jamp.engine import _tail_positions as S
 from jamp.engine import _values as V
 
 #: A widening of fewer elements than this is left alone: recomputing its tail saves little.
@@ -83,17 +85,6 @@ _COSTLY = frozenset(
     }
 )
 _JIT = ("jit", "pjit")
-_REDUCTIONS = frozenset(
-    {"reduce_max", "reduce_min", "reduce_sum", "reduce_prod", "argmax", "argmin"}
-)
-# Operations element by element (operands of the result's shape, of size 1 along an axis, or
-# scalars): computed at all positions where an operand is (`_Padded`).
-_ELEMENTWISE = frozenset(
-    """abs add add_any and ceil clamp convert_element_type copy cos div eq erf erf_inv erfc exp
-    exp2 expm1 floor ge gt integer_pow is_finite le log log1p logistic lt max min mul ne neg not
-    or pow reduce_precision rem round rsqrt select_n sign sin sqrt square stop_gradient sub tan
-    tanh xor""".split()
-)
 
 
 def _size(aval) -> int:
@@ -163,207 +154,6 @@ def find_tail(jaxpr: jcore.Jaxpr) -> tuple[set[int], int]:
     return tail, smallest
 
 
-def _pick_form(eqn, operand) -> str | None:
-    """How a gather picks elements along its operand's last axis: "batched" (every other axis a
-    batching axis, one or more picks per row: `jnp.take_along_axis(x, idx, axis=-1)`), "rows"
-    (one pick per row, the operand's axes of size 1 taken as offsets, as `take_along_axis` does
-    for them: a batch of one sequence), or None for any other gather."""
-    if eqn.primitive.name != "gather":
-        return None
-    dn = eqn.params["dimension_numbers"]
-    nd = np.ndim(operand)
-    if (
-        nd < 1
-        or tuple(dn.collapsed_slice_dims) != (nd - 1,)
-        or tuple(dn.start_index_map) != (nd - 1,)
-        or any(s != 1 for s in eqn.params["slice_sizes"])
-        or eqn.invars[1].aval.shape[-1] != 1
-    ):
-        return None
-    on = tuple(getattr(dn, "operand_batching_dims", ()))
-    among = tuple(getattr(dn, "start_indices_batching_dims", ()))
-    batch = tuple(range(nd - 1))
-    if tuple(dn.offset_dims) == () and on == batch and among == batch:
-        return "batched"
-    shape = np.shape(operand)
-    rows = int(np.prod(shape[:-1], dtype=np.int64))
-    if (
-        all(shape[d] == 1 for d in batch if d not in on)
-        and list(on) == sorted(on)
-        and list(among) == sorted(among)
-        and _size(eqn.outvars[0].aval) == rows
-    ):  # the axes that are not batching axes have size 1: picks and rows in the same order
-        return "rows"
-    return None
-
-
-def _pick(eqn, form: str, x, indices):
-    """The gather `eqn`, of elements along `x`'s last axis (`form`: see `_pick_form`): the gather
-    itself forward (it reads one element per pick), and as its transpose a select of the
-    cotangent where the index hits (fused into the backward's elementwise kernel), not a scatter
-    into zeros."""
-    vocab = x.shape[-1]
-    mode = eqn.params.get("mode")
-    clipped = "CLIP" in str(mode) or "PROMISE" in str(mode)
-
-    @jax.custom_vjp
-    def pick(x, indices):
-        return V.bind(eqn, [x, indices], eqn.params)[0]
-
-    def forward(x, indices):
-        return pick(x, indices), indices
-
-    def backward(indices, g):
-        if form == "rows":  # one pick per row, in the rows' order
-            indices, g = indices.reshape(x.shape[:-1] + (1,)), g.reshape(x.shape[:-1])
-        idx = indices[..., 0]  # [*batch, *extra]
-        extra = idx.ndim - (x.ndim - 1)
-        if clipped:
-            idx = jnp.clip(idx, 0, vocab - 1)  # out of range outside `clip`: no element is hit
-        hit = lax.broadcasted_iota(idx.dtype, idx.shape + (vocab,), idx.ndim) == idx[..., None]
-        spread = jnp.where(hit, g[..., None].astype(x.dtype), jnp.zeros((), x.dtype))
-        axes = tuple(range(x.ndim - 1, x.ndim - 1 + extra))
-        return (jnp.sum(spread, axis=axes) if axes else spread), None
-
-    pick.defvjp(forward, backward)
-    return pick(x, indices)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Region:
-    """The positions a slice of the widened value keeps (its axes but the last, the vocabulary):
-    `starts` to `limits` of `whole`. `flat`: a value's positions merged into its first axis, as
-    `logits.reshape(-1, vocab)` merges them."""
-
-    whole: tuple[int, ...]
-    starts: tuple[int, ...]
-    limits: tuple[int, ...]
-    flat: bool = False
-
-    @property
-    def lead(self) -> int:  # a value's axes that are positions
-        return 1 if self.flat else len(self.whole)
-
-    def _shape(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
-        return (int(np.prod(sizes, dtype=np.int64)),) if self.flat else sizes
-
-    def kept(self) -> tuple[int, ...]:
-        return self._shape(tuple(b - a for a, b in zip(self.starts, self.limits)))
-
-    def spread(self, shape) -> tuple[int, ...]:
-        """`shape` (of a value at the kept positions) over all positions."""
-        return self._shape(self.whole) + tuple(shape[self.lead :])
-
-    def take(self, x):
-        """The kept positions of `x` (a value over all positions)."""
-        rest = tuple(x.shape[self.lead :])
-        x = x.reshape(self.whole + rest)
-        x = lax.slice(x, self.starts + (0,) * len(rest), self.limits + rest)
-        return x.reshape(self.kept() + rest)
-
-    def put(self, x):
-        """`x` (a value at the kept positions) over all positions, zeros at the others."""
-        rest = tuple(x.shape[self.lead :])
-        x = x.reshape(tuple(b - a for a, b in zip(self.starts, self.limits)) + rest)
-        edges = [(a, w - b, 0) for a, b, w in zip(self.starts, self.limits, self.whole)]
-        x = lax.pad(x, jnp.zeros((), x.dtype), edges + [(0, 0, 0)] * len(rest))
-        return x.reshape(self._shape(self.whole) + rest)
-
-    def mask(self, shape):
-        """True at the kept positions of an array of `shape` (over all positions, not flat)."""
-        keep = jnp.ones(shape, bool)
-        for axis, (a, b) in enumerate(zip(self.starts, self.limits)):
-            at = lax.broadcasted_iota(np.int32, shape, axis)
-            keep = keep & (at >= a) & (at < b)
-        return keep
-
-
-@dataclasses.dataclass(frozen=True)
-class _Padded:
-    """A value of the tail at the positions `region` keeps, held as `whole`, the same computed at
-    all positions: a slice of the widened value (the next-token shift `logits[:, :-1]`) is taken
-    of the values computed from it only where positions meet (a sum over them, a reshape that
-    moves them), so the backward reads and writes the logits whole. XLA gives the 16-bit
-    logits' gradient the logits' own buffer then; through a slice it cannot (its transpose, a
-    pad, is not elementwise): one more 16-bit logits-sized buffer at the step's peak."""
-
-    whole: Any
-    region: _Region
-
-
-def _within(x, region: _Region):
-    """`x`, whose gradient is zero outside the positions `region` keeps (what a slice's transpose
-    gives; what the tail computes there is not the program's, and may not be finite)."""
-
-    @jax.custom_vjp
-    def within(x):
-        return x
-
-    def backward(_, g):
-        return (jnp.where(region.mask(g.shape), g, jnp.zeros((), g.dtype)),)
-
-    within.defvjp(lambda x: (x, None), backward)
-    return within(x)
-
-
-def _shift(eqn, x, keep_below: int) -> _Padded | None:
-    """A slice of the positions (not the last axis) of a large value, kept for last."""
-    if eqn.primitive.name != "slice" or isinstance(x, _Padded) or np.size(x) < keep_below:
-        return None
-    starts, limits = tuple(eqn.params["start_indices"]), tuple(eqn.params["limit_indices"])
-    strides = eqn.params.get("strides")
-    if (strides and any(s != 1 for s in strides)) or (starts[-1], limits[-1]) != (0, x.shape[-1]):
-        return None
-    region = _Region(tuple(x.shape[:-1]), starts[:-1], limits[:-1])
-    return _Padded(_within(x, region), region)
-
-
-def _spread_operand(x, region: _Region):
-    """An operand of an elementwise operation over all positions: None if it cannot be."""
-    if isinstance(x, _Padded):
-        return x.whole if x.region == region else None
-    shape = np.shape(x)
-    if not shape or all(d == 1 for d in shape[: region.lead]):  # the same at every position
-        return x
-    return region.put(x) if tuple(shape[: region.lead]) == region.kept() else None
-
-
-def _picks_at(invals, region: _Region) -> bool:
-    """A pick's operand `_Padded`, its indices at the positions `region` keeps."""
-    operand, indices = invals
-    return (
-        isinstance(operand, _Padded)
-        and operand.region == region
-        and not isinstance(indices, _Padded)
-        and tuple(np.shape(indices)[: region.lead]) == region.kept()
-    )
-
-
-def _layout(eqn, x: _Padded):
-    """A reshape, broadcast or squeeze of `x` that keeps its positions, over all of them; None
-    for one that moves them."""
-    name, region, shape = eqn.primitive.name, x.region, eqn.outvars[0].aval.shape
-    lead = region.lead
-    if name == "reshape" and eqn.params.get("dimensions") is not None:
-        return None
-    if name == "reshape" and not region.flat and shape[1:] == np.shape(x.whole)[lead:]:
-        if len(shape) and shape[0] == int(np.prod(region.kept(), dtype=np.int64)):
-            flat = dataclasses.replace(region, flat=True)  # the positions merged into one axis
-            return _Padded(x.whole.reshape(flat.spread(shape)), flat)
-    if tuple(shape[:lead]) != region.kept():
-        return None
-    if name == "reshape":
-        return _Padded(x.whole.reshape(region.spread(shape)), region)
-    if name == "broadcast_in_dim" and tuple(eqn.params["broadcast_dimensions"][:lead]) == tuple(
-        range(lead)
-    ):
-        params = dict(eqn.params, shape=region.spread(shape))
-        return _Padded(V.bind(eqn, [x.whole], params)[0], region)
-    if name == "squeeze" and min(eqn.params["dimensions"]) >= lead:
-        return _Padded(V.bind(eqn, [x.whole], eqn.params)[0], region)
-    return None
-
-
 @jax.custom_vjp
 def _gradient_written(x):
     """`x`, whose gradient is written out whole in its own dtype before anything reads it.
@@ -396,60 +186,10 @@ class _Program:
     eqns: list
 
 
-def _positionwise(eqn, invals, keep_below: int) -> list | None:
-    """`eqn` at all positions where an operand is `_Padded` (its results `_Padded` too); None
-    where it mixes positions (a sum over them) or is not known to keep them apart."""
-    if not invals:
-        return None
-    if (shifted := _shift(eqn, invals[0], keep_below)) is not None:
-        return [shifted]
-    padded = [x for x in invals if isinstance(x, _Padded)]
-    if not padded:
-        return None
-    name, region = eqn.primitive.name, padded[0].region
-    if name in ("reshape", "broadcast_in_dim", "squeeze") and len(invals) == 1:
-        out = _layout(eqn, padded[0])
-        return None if out is None else [out]
-    if any(tuple(v.aval.shape[: region.lead]) != region.kept() for v in eqn.outvars):
-        return None  # a result without the positions: they meet
-    if name in _ELEMENTWISE:
-        args = [_spread_operand(x, region) for x in invals]
-        if any(a is None for a in args):
-            return None
-        outs = V.bind(eqn, args, eqn.params)
-    elif name in _REDUCTIONS and all(a >= region.lead for a in eqn.params["axes"]):
-        outs = V.bind(eqn, [padded[0].whole], eqn.params)
-    elif _pick_form(eqn, eqn.invars[0].aval) == "batched" and _picks_at(invals, region):
-        outs = _bind(eqn, [padded[0].whole, region.put(invals[1])], keep_below)
-    else:
-        return None
-    return [_Padded(o, region) for o in outs]
-
-
-def _taken(x):
-    """The program's value of `x`: its kept positions if it is `_Padded`."""
-    return x.region.take(x.whole) if isinstance(x, _Padded) else x
-
-
-def _bind(eqn, invals, keep_below: int) -> list:
-    """`eqn` on `invals`; a single-element gather of a large value as a pick."""
-    if invals and (form := _pick_form(eqn, invals[0])) and np.size(invals[0]) >= keep_below:
-        return [_pick(eqn, form, *invals)]
-    return V.bind(eqn, invals, eqn.params)
-
-
-def _whole(x):
-    return x.whole if isinstance(x, _Padded) else x
-
-
-def _each(f, out):
-    return _Padded(f(out.whole), out.region) if isinstance(out, _Padded) else f(out)
-
-
 def _run(jaxpr, consts, args, keep_below: int) -> list:
     """Evaluates `jaxpr`'s tail: sub-programs inlined, single-element gathers as picks, slices
-    of the positions taken last (`_Padded`), and every float value smaller than `keep_below`
-    elements named `KEPT`. Its results may be `_Padded`."""
+    of the positions taken last (`Padded`), and every float value smaller than `keep_below`
+    elements named `KEPT`. Its results may be `Padded`."""
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
 
@@ -463,19 +203,21 @@ def _run(jaxpr, consts, args, keep_below: int) -> list:
                 closed = eqn.params["jaxpr"]
                 outs = _run(closed.jaxpr, closed.consts, invals, keep_below)
             else:
-                done = _positionwise(eqn, invals, keep_below)
-                outs = _bind(eqn, [_taken(x) for x in invals], keep_below) if done is None else done
-        if eqn.primitive.name in _REDUCTIONS and np.size(_whole(invals[0])) >= keep_below:
+                done = S.positionwise(eqn, invals, keep_below)
+                outs = (
+                    P.bind(eqn, [S.taken(x) for x in invals], keep_below) if done is None else done
+                )
+        if eqn.primitive.name in S.REDUCTIONS and np.size(S.whole_of(invals[0])) >= keep_below:
             # A row's statistic of the large value: XLA's Triton softmax fusion would otherwise
             # join it and the elementwise work that reads it into one kernel writing a float32
             # result of the large value's size (log_softmax's, for a one-hot label's product).
-            outs = [_each(lax.optimization_barrier, o) for o in outs]
+            outs = [S.each(lax.optimization_barrier, o) for o in outs]
         for var, out in zip(eqn.outvars, outs):
             if isinstance(var, jcore.DropVar):
                 continue
-            whole = _whole(out)
+            whole = S.whole_of(out)
             small = 0 < np.size(whole) < keep_below and V.is_float_dtype(V.dtype_of(whole))
-            env[var] = _each(lambda o: checkpoint_name(o, KEPT), out) if small else out
+            env[var] = S.each(lambda o: checkpoint_name(o, KEPT), out) if small else out
     return [read(v) for v in jaxpr.outvars]
 
 
@@ -508,7 +250,7 @@ def _evaluate(jaxpr: jcore.Jaxpr, consts, args, tail: set[int], keep_below: int)
     sliced = {e.outvars[0]: e.invars[0] for e in rest if e.primitive.name == "slice"}
     widened = {sliced.get(e.invars[0], e.invars[0]) for e in rest if _is_seed(e)}  # type: ignore[arg-type]  # a seed's operand is a Var
     values = jax.checkpoint(
-        lambda *xs: [_taken(o) for o in _run(sub, [], xs, keep_below)],
+        lambda *xs: [S.taken(o) for o in _run(sub, [], xs, keep_below)],
         policy=policy,
         prevent_cse=False,
     )(*[_gradient_written(read(v)) if v in widened else read(v) for v in needed])
