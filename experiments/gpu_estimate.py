@@ -10,13 +10,17 @@ the dense bf16 peak: a prediction, like the time). The jamp row must be the prog
 63141af:
 
     git worktree add /tmp/jamp-63141af 63141af
-    cp experiments/gpt2_variants.py experiments/gpu_estimate.py /tmp/jamp-63141af/experiments/
+    cp experiments/gpu_estimate.py /tmp/jamp-63141af/experiments/
+    git show 4168935:experiments/gpt2_variants.py > /tmp/jamp-63141af/experiments/gpt2_variants.py
     (cd /tmp/jamp-63141af && python experiments/gpu_estimate.py --dump /tmp/hlo-63141af \\
         --variants hf_jamp_bf16)
     python experiments/gpu_estimate.py --dump /tmp/hlo-now        # every variant, this tree
     python experiments/gpu_estimate.py --dump /tmp/hlo-now --batch 32 \
-        --variants hf_jamp_bf16 lm_jamp_bf16_losses                # the MFU target's batch
+        --variants hf_jamp_bf16 lm_jamp_bf16 lm_jamp_bf16_losses   # the MFU target's batch
     python experiments/gpu_estimate.py --calibrate /tmp/hlo-63141af /tmp/hlo-now
+
+(The 63141af worktree takes gpt2_variants as it was before the state kept the params' 16-bit
+copies, which 63141af's `TrainState.create` does not know.)
 
 writes experiments/results/gpu_estimate_h200.md (and .json): the fitted constants, each
 calibration row's predicted and measured time, and every dumped variant's predicted time,
