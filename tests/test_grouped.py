@@ -180,3 +180,13 @@ def test_h200_program_runs_the_experts_grouped_gemms_in_bf16():
     passes = {"transpose" in g.op_name for g in found}
     assert passes == {False, True}, [(g.op_name, g.operands) for g in found]
     assert found and not any(g.is_fp32 for g in found), [(g.op_name, g.operands) for g in found]
+
+
+def test_under_fp8_the_grouped_gemms_run_bf16():
+    """jamp has no fp8 grouped GEMM: under "mixed_fp8" the experts run bf16, forward and
+    backward (the layers' dense matmuls are fp8)."""
+    batch, params = _setup()
+    loss_fn = _loss_fn(jamp.wrap(MoELM(), "mixed_fp8"))
+    grad = jax.grad(lambda p: loss_fn(p, {}, batch, None)[0])
+    dtypes = _ragged_dtypes(jax.make_jaxpr(grad)(params).jaxpr)
+    assert len(dtypes) == 9 and all(d[:2] == ("bfloat16", "bfloat16") for d in dtypes), dtypes
