@@ -119,7 +119,8 @@ class _Visit:
                 inner_live = self._inner(sub, eqn, reads, live, hot)
                 inner_wide = self._inner(sub, eqn, reads, wide, widened)
                 self(sub, inner_live, inner_wide)
-                widened = widened or any(o in inner_wide for o in sub.outvars)  # (made inside)
+                outs = [o for o in sub.outvars if isinstance(o, jcore.Var)]
+                widened = widened or any(o in inner_wide for o in outs)  # (made inside)
             backward = _paths.is_backward(str(eqn.source_info.name_stack))
             if backward:
                 for v in reads:
