@@ -9,7 +9,7 @@ import pytest
 from jamp import hlo
 from jamp import target as target_lib
 from jamp.hlo.kernels import kernels
-from jamp.inspect import timing
+from jamp.inspect import gemm_rate, timing
 
 H200 = target_lib.GPUS["h200"]
 
@@ -206,8 +206,13 @@ def test_estimate_is_a_roofline_per_kernel_plus_its_launch():
     est = timing.estimate(hlo.parse(_PROGRAM), H200, rates)
     assert est.kernels == 10  # 6 in the entry, a loop body's fusion 3 times, a condition's once
     per = {k.name: k for k in kernels(hlo.parse(_PROGRAM))}
+
+    def share(k):  # a GEMM's: its shape's share of the peak (gemm_rate), times the correction
+        return 0.5 * gemm_rate.efficiency(k.gemm_shape, k.dtype, H200.sm_count)
+
     want = sum(
-        (5e-6 + max(k.bytes / (H200.memory_bandwidth * 0.5), k.flops / (989.4e12 * 0.5))) * k.count
+        (5e-6 + max(k.bytes / (H200.memory_bandwidth * 0.5), k.flops / (989.4e12 * share(k))))
+        * k.count
         for k in per.values()
     )
     assert est.seconds == pytest.approx(want)
@@ -225,14 +230,28 @@ def test_estimate_is_a_roofline_per_kernel_plus_its_launch():
 
 
 def test_estimate_rates_float32_gemms_at_the_tf32_rate():
-    heavy = timing.kernel_seconds  # one GEMM, compute-bound at both rates
+    heavy = timing.kernel_seconds  # one GEMM of no known shape, compute-bound at both rates
     from jamp.hlo.kernels import Kernel
 
     rates = timing.Rates(launch=0.0, memory=1.0, matmul=1.0, attention=1.0)
     bf16 = Kernel("g", "gemm", "Triton", "", 1, 10**12, "bf16")
     f32 = Kernel("g", "gemm", "Triton", "", 1, 10**12, "f32")
-    assert heavy(f32, H200, rates)[0] == pytest.approx(2 * heavy(bf16, H200, rates)[0])
-    assert heavy(bf16, H200, rates) == (pytest.approx(1 / 989.4), "compute")
+    # TF32: half the bf16 peak, at its own measured ceiling
+    bf16_fit, f32_fit = gemm_rate.FITS["bf16"], gemm_rate.FITS["f32"]
+    ratio = 2 * bf16_fit.ceiling / f32_fit.ceiling
+    assert heavy(f32, H200, rates)[0] == pytest.approx(ratio * heavy(bf16, H200, rates)[0])
+    assert heavy(bf16, H200, rates) == (pytest.approx(1 / 989.4 / bf16_fit.ceiling), "compute")
+
+
+def test_every_prediction_is_given_with_the_models_leave_one_out_range():
+    est = timing.estimate(hlo.parse(_PROGRAM), H200)
+    low, high = est.range_seconds()
+    assert timing.ERROR == max(abs(c.held_out_error) for c in timing.CALIBRATION) > 0
+    assert low == pytest.approx(est.seconds * (1 - timing.ERROR))
+    assert high == pytest.approx(est.seconds * (1 + timing.ERROR))
+    assert f"({low * 1e3:.1f}-{high * 1e3:.1f} ms)" in est.lines()[0]
+    assert "leave-one-out" in timing.NOTE and "not a measurement" in timing.NOTE
+    assert all(abs(c.error) < 0.10 for c in timing.CALIBRATION)  # every row within 10 %
 
 
 # ----- real H200 programs

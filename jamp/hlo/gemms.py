@@ -49,6 +49,10 @@ class Gemm:
     batched: bool = False  # a batched matmul (batch dimensions: attention's scores and mix)
     accumulates: str = ""  # a fusion's dot's own result dtype (what it sums in); else `result`
     count: int = 1  # runs per run of the program (inside a loop: its trip count)
+    # (batch, M, N, K) of one call: the batch's extent, the result's rows (the lhs's free axes)
+    # and columns, the contracted extent; a convolution's as the GEMM it is (M: output positions,
+    # N: output features, K: window x input features); zeros where jamp cannot tell
+    shape: tuple[int, int, int, int] = (0, 0, 0, 0)
 
     @property
     def is_fp32(self) -> bool:
@@ -56,35 +60,52 @@ class Gemm:
         return "f32" in self.operands or "f64" in self.operands
 
 
-def _flops(program: Program, inst: Instruction, contracting, result) -> int:
-    """2 x (result elements) x (the lhs's contracting extent) of a GEMM `inst`."""
+def _prod(sizes) -> int:
+    return int(np.prod(list(sizes), dtype=np.int64))
+
+
+def _shape(program: Program, inst: Instruction, contracting, batch, result) -> tuple:
+    """(batch, M, N, K) of a GEMM `inst` from its lhs's contracting and batch axes and its
+    result's shape ([batch..., lhs free..., rhs free...])."""
     arrays = program.operand_arrays(inst)
     if not arrays or not result:
-        return 0
+        return (0, 0, 0, 0)
     lhs = arrays[0][1]
-    k = int(np.prod([lhs[d] for d in contracting if d < len(lhs)], dtype=np.int64))
-    return 2 * int(np.prod(result, dtype=np.int64)) * k
+    k = _prod(lhs[d] for d in contracting if d < len(lhs))
+    b = _prod(lhs[d] for d in batch if d < len(lhs))
+    m = _prod(n for d, n in enumerate(lhs) if d not in contracting and d not in batch)
+    total = _prod(result)
+    return (b, m, total // max(1, b * m), k)
 
 
-def _dot_flops(program: Program, dot: Instruction) -> tuple[int, bool]:
+def _gemm_dims(program: Program, inst: Instruction, contracting, batch) -> tuple[int, bool, tuple]:
+    """(FLOPs: 2 x result elements x contracted extent, whether batched, (batch, M, N, K))."""
+    shape = _shape(program, inst, contracting, batch, inst.shape)
+    return 2 * _prod(shape), bool(batch), shape
+
+
+def _dot_flops(program: Program, dot: Instruction) -> tuple[int, bool, tuple]:
     dims = dict(_DIMS.findall(dot.attributes))
     contracting = [int(d) for d in dims.get("lhs_contracting_dims", "").split(",") if d]
-    return _flops(program, dot, contracting, dot.shape), bool(dims.get("lhs_batch_dims"))
+    batch = [int(d) for d in dims.get("lhs_batch_dims", "").split(",") if d]
+    return _gemm_dims(program, dot, contracting, batch)
 
 
-def _custom_gemm_flops(program: Program, inst: Instruction) -> tuple[int, bool]:
+def _custom_gemm_flops(program: Program, inst: Instruction) -> tuple[int, bool, tuple]:
     dims = inst.backend_config().get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
     contracting = [int(d) for d in dims.get("lhs_contracting_dimensions", [])]
-    return _flops(program, inst, contracting, inst.shape), bool(dims.get("lhs_batch_dimensions"))
+    batch = [int(d) for d in dims.get("lhs_batch_dimensions", [])]
+    return _gemm_dims(program, inst, contracting, batch)
 
 
-def _conv_flops(program: Program, inst: Instruction) -> int:
-    """2 x (forward output elements) x (kernel elements per output feature): the same count for
-    a convolution and both of its transposes (cuDNN's backward-input / backward-filter calls)."""
+def _conv_flops(program: Program, inst: Instruction) -> tuple[int, tuple]:
+    """(2 x (forward output elements) x (kernel elements per output feature), the implicit
+    GEMM's (1, M, N, K)): the same count for a convolution and both of its transposes (cuDNN's
+    backward-input / backward-filter calls)."""
     labels = _DIM_LABELS.search(inst.attributes)
     arrays = program.operand_arrays(inst)
     if not labels or len(arrays) < 2 or not inst.arrays:
-        return 0
+        return 0, (0, 0, 0, 0)
     kernel_labels = labels.group(2)
     target = inst.target
     if "BackwardFilter" in target:
@@ -94,9 +115,11 @@ def _conv_flops(program: Program, inst: Instruction) -> int:
     else:
         output, kernel = inst.shape, arrays[1][1]
     if "o" not in kernel_labels or len(kernel) != len(kernel_labels):
-        return 0
-    per_output = int(np.prod(kernel, dtype=np.int64)) // max(1, kernel[kernel_labels.index("o")])
-    return 2 * int(np.prod(output, dtype=np.int64)) * per_output
+        return 0, (0, 0, 0, 0)
+    features = max(1, kernel[kernel_labels.index("o")])
+    per_output = _prod(kernel) // features
+    positions = _prod(output) // features
+    return 2 * _prod(output) * per_output, (1, positions, features, per_output)
 
 
 def _kind(inst: Instruction) -> Optional[str]:
@@ -134,7 +157,7 @@ def gemms(program: Program) -> list[Gemm]:
             in_gemm_fusion.update(i.name for i in program.body(inst))
             if dot is None:
                 continue
-            flops, batched = _dot_flops(program, dot)
+            flops, batched, shape = _dot_flops(program, dot)
             operands = tuple(d for d, _ in program.operand_arrays(dot))[:2]
             found.append(
                 Gemm(
@@ -146,26 +169,41 @@ def gemms(program: Program) -> list[Gemm]:
                     flops,
                     batched,
                     dot.dtype,
+                    shape=shape,
                 )
             )
         elif kind == "cuDNN conv":
             operands = tuple(d for d, _ in program.operand_arrays(inst))[:2]
+            flops, shape = _conv_flops(program, inst)
             found.append(
-                Gemm(
-                    inst.name, kind, operands, inst.dtype, inst.op_name, _conv_flops(program, inst)
-                )
+                Gemm(inst.name, kind, operands, inst.dtype, inst.op_name, flops, shape=shape)
             )
         elif kind is not None:
-            flops, batched = _custom_gemm_flops(program, inst)
+            flops, batched, shape = _custom_gemm_flops(program, inst)
             operands = tuple(d for d, _ in program.operand_arrays(inst))[:2]
-            found.append(Gemm(inst.name, kind, operands, inst.dtype, inst.op_name, flops, batched))
+            found.append(
+                Gemm(
+                    inst.name, kind, operands, inst.dtype, inst.op_name, flops, batched, shape=shape
+                )
+            )
     for inst in program.instructions:  # dots and convolutions XLA left as they are
         if inst.name in in_gemm_fusion or inst.op not in ("dot", "convolution"):
             continue
         operands = tuple(d for d, _ in program.operand_arrays(inst))[:2]
         if inst.op == "dot":
-            flops, batched = _dot_flops(program, inst)
-            found.append(Gemm(inst.name, "dot", operands, inst.dtype, inst.op_name, flops, batched))
+            flops, batched, shape = _dot_flops(program, inst)
+            found.append(
+                Gemm(
+                    inst.name,
+                    "dot",
+                    operands,
+                    inst.dtype,
+                    inst.op_name,
+                    flops,
+                    batched,
+                    shape=shape,
+                )
+            )
         else:
             found.append(Gemm(inst.name, "conv", operands, inst.dtype, inst.op_name))
     order = {inst.name: i for i, inst in enumerate(program.instructions)}

@@ -96,6 +96,7 @@ class Kernel:
     dtype: str  # what the matrix units multiply ("bf16", "f32", ...); "" for other kernels
     count: int = 1  # runs per run of the program
     collective_bytes: int = 0  # a collective's result bytes on one device
+    gemm_shape: tuple[int, int, int, int] = (0, 0, 0, 0)  # a GEMM's (batch, M, N, K): `Gemm`
 
 
 def _dtype_class(operands: tuple[str, ...]) -> str:
@@ -357,6 +358,7 @@ def kernels(program: Program, found_gemms: Optional[list[Gemm]] = None) -> list[
                     dtype,
                     times,
                     inst.nbytes if kind == "collective" else 0,
+                    gemm.shape if gemm is not None else (0, 0, 0, 0),
                 )
             )
     return found

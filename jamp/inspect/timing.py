@@ -2,13 +2,17 @@
 
 This is a model, not a measurement. Per kernel of the optimized program (`jamp.hlo.kernels`):
 
-    time = launch + max(bytes / (bandwidth x memory), flops / (peak[dtype] x matmul))
+    time = launch + max(bytes / (bandwidth x memory), flops / (peak[dtype] x share))
 
 with the GPU's published HBM bandwidth and dense tensor-core peaks (float32 GEMMs at the TF32
-rate, JAX's default precision on NVIDIA GPUs), and four constants fitted once to measured steps
-(`RATES`, see its docstring): the GPU-side cost of a launch, and the fractions of bandwidth and
-of peak that kernels reach. Kernels run one after another (XLA:GPU runs one stream by default);
-collectives are timed by bytes over NVLink and not overlapped.
+rate, JAX's default precision on NVIDIA GPUs). A GEMM's share of its dtype's peak is its shape's
+(`jamp.inspect.gemm_rate`: waves of 128 x 128 tiles on the GPU's SMs, split-K, a tile's fixed
+cost; fitted per dtype to public matmul measurements, fp8 at its own share of its own peak)
+times a correction fitted once to measured steps; fused attention's is a constant share. The
+constants (`RATES`, see its docstring): the GPU-side cost of a launch, the fraction of bandwidth
+streaming kernels reach, the GEMM correction, attention's share. Kernels run one after another
+(XLA:GPU runs one stream by default); collectives are timed by bytes over NVLink plus a launch,
+not overlapped (see `kernel_seconds`).
 
 Example::
 
@@ -24,13 +28,15 @@ from typing import Any
 
 from jamp.hlo.kernels import Kernel, kernels
 from jamp.hlo.text import Program
+from jamp.inspect import gemm_rate
 from jamp.inspect._paths import op_name_path
 
 
 @dataclasses.dataclass(frozen=True)
 class Rates:
-    """The model's constants: per-launch seconds, and the fractions of HBM bandwidth, GEMM peak
-    and fused-attention peak that kernels reach."""
+    """The model's constants: per-launch seconds, the fraction of HBM bandwidth streaming kernels
+    reach, the correction applied to every GEMM's rate of `jamp.inspect.gemm_rate` (1: the public
+    fits as they are), and the fraction of the dense peak fused attention reaches."""
 
     launch: float
     memory: float
@@ -41,11 +47,36 @@ class Rates:
 #: Fitted to the three JAX rows measured on one H200 (research/gpu_h200.md: Hugging Face GPT-2
 #: small, batch 8 x 1024, AdamW; TF32 52.63 ms, HF's own bf16 build 27.21 ms, jamp.wrap
 #: mixed_bfloat16 24.55 ms; jax 0.11.2) with those programs compiled here for an H200
-#: (experiments/gpu_estimate.py --calibrate; its results file gives each row's error). Errors:
-#: -4.8 %, +4.5 %, -4.8 %. Bandwidth and attention shares are held at 0.80 and 0.45 (three rows
-#: cannot pin four constants); the launch cost and the GEMM share are fitted. (Refitted when
-#: gathers and scatters came to be read as the elements they index: 3.2 us and 0.59 before.)
-RATES = Rates(launch=4.0e-6, memory=0.80, matmul=0.57, attention=0.45)
+#: (experiments/gpu_estimate.py --calibrate; its results file gives each row's error). One
+#: constant is fitted, the launch cost: 5.6 us, the fixed cost per call that XLA's own matmul
+#: table shows too (`jamp.inspect.gemm_rate`). GEMM rates are the public fits as they are
+#: (correction 1; freed, the three rows fit 1.31: GEMMs above their peak); bandwidth and
+#: attention shares are held at 0.80 and 0.45. (Before GEMMs had shapes: launch 4.0 us and one
+#: GEMM share of 0.57 for every shape and dtype, which had fp8 faster than bf16 on GPT-2 small.)
+RATES = Rates(launch=5.6e-6, memory=0.80, matmul=1.0, attention=0.45)
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibrated:
+    """A step measured on a GPU, and the model's error on it: fitted with it, and predicted by
+    the model fitted to the other measured steps (leave-one-out)."""
+
+    name: str
+    measured_ms: float
+    error: float
+    held_out_error: float
+
+
+#: Every JAX program measured on a GPU so far (experiments/gpu_estimate.py; add the rows that
+#: experiments/gpu_suite.sh measures when it runs).
+CALIBRATION = (
+    Calibrated("Hugging Face GPT-2 small, TF32", 52.63, +0.045, +0.047),
+    Calibrated("Hugging Face GPT-2 small, its own bf16 build", 27.21, +0.036, +0.036),
+    Calibrated("Hugging Face GPT-2 small, jamp mixed_bfloat16", 24.55, -0.047, -0.118),
+)
+#: The range a prediction is given with: the largest leave-one-out error.
+ERROR = max(abs(c.held_out_error) for c in CALIBRATION)
+
 
 # Per GPU dtype class: which published peak applies (TF32 is half the bf16 dense peak).
 _PEAK_SHARE = {"bf16": 1.0, "f16": 1.0, "f8": 2.0, "f32": 0.5}
@@ -82,13 +113,20 @@ class Estimate:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["by_kind"] = {k: {"kernels": n, "seconds": s} for k, (n, s) in self.by_kind.items()}
+        out["range_seconds"] = self.range_seconds()
         out["note"] = NOTE
         return out
 
+    def range_seconds(self) -> tuple[float, float]:
+        """The prediction's range: +- the model's largest leave-one-out error (`ERROR`)."""
+        return self.seconds * (1 - ERROR), self.seconds * (1 + ERROR)
+
     def lines(self, top: int = 10) -> list[str]:
+        low, high = self.range_seconds()
         out = [
-            f"predicted step time on one {self.gpu}: {self.seconds * 1e3:.2f} ms, "
-            f"{self.kernels} kernel launches ({self.launch_seconds * 1e3:.2f} ms of it launches)",
+            f"predicted step time on one {self.gpu}: {self.seconds * 1e3:.2f} ms "
+            f"({low * 1e3:.1f}-{high * 1e3:.1f} ms), {self.kernels} kernel launches "
+            f"({self.launch_seconds * 1e3:.2f} ms of it launches)",
             f"  ({NOTE})",
             "  by kind:",
         ]
@@ -109,8 +147,10 @@ class Estimate:
 
 
 NOTE = (
-    "a model, not a measurement: per kernel max(bytes / bandwidth, FLOPs / peak) plus a launch, "
-    "with constants fitted to measured H200 steps"
+    "a model, not a measurement: per kernel max(bytes / bandwidth, FLOPs / (peak x its GEMM "
+    "shape's share)) plus a launch, fitted to 3 measured H200 steps; the range is its largest "
+    "error on a measured step it was not fitted to (leave-one-out); collectives: bytes over "
+    "NVLink, not overlapped"
 )
 
 
@@ -118,13 +158,28 @@ def _peak(gpu, dtype: str) -> float:
     return gpu.bf16_tflops * 1e12 * _PEAK_SHARE.get(dtype, 0.5)
 
 
-def kernel_seconds(k: Kernel, gpu, rates: Rates = RATES) -> tuple[float, str]:
-    """(seconds for one run of `k`, what bounds it)."""
+def kernel_parts(k: Kernel, gpu, rates: Rates = RATES) -> tuple[float, float]:
+    """(seconds its bytes take, seconds its matrix units take) for one run of `k`, launch left
+    out. A collective's bytes cross one GPU's NVLink (450 GB/s each way): no latency per hop, no
+    overlap with compute (XLA's asynchronous collectives may hide some of it)."""
     if k.kind == "collective":
-        return rates.launch + k.collective_bytes / _NVLINK, "link"
+        return k.collective_bytes / _NVLINK, 0.0
     memory = k.bytes / (gpu.memory_bandwidth * rates.memory)
-    share = rates.attention if k.kind == "attention" else rates.matmul
-    compute = k.flops / (_peak(gpu, k.dtype) * share) if k.flops else 0.0
+    if not k.flops:
+        return memory, 0.0
+    if k.kind == "attention":
+        share = rates.attention
+    else:
+        share = rates.matmul * gemm_rate.efficiency(k.gemm_shape, k.dtype, gpu.sm_count)
+    return memory, k.flops / (_peak(gpu, k.dtype) * share)
+
+
+def kernel_seconds(k: Kernel, gpu, rates: Rates = RATES) -> tuple[float, str]:
+    """(seconds for one run of `k`, what bounds it): a launch, then its bytes or its matrix
+    units' work, whichever takes longer (`kernel_parts`)."""
+    memory, compute = kernel_parts(k, gpu, rates)
+    if k.kind == "collective":
+        return rates.launch + memory, "link"
     if max(memory, compute) < rates.launch:
         return rates.launch + max(memory, compute), "launch"
     return rates.launch + max(memory, compute), "compute" if compute > memory else "memory"
@@ -177,4 +232,16 @@ def estimate(
     )
 
 
-__all__ = ["NOTE", "RATES", "Estimate", "KernelTime", "Rates", "estimate", "kernel_seconds"]
+__all__ = [
+    "CALIBRATION",
+    "ERROR",
+    "NOTE",
+    "RATES",
+    "Calibrated",
+    "Estimate",
+    "KernelTime",
+    "Rates",
+    "estimate",
+    "kernel_parts",
+    "kernel_seconds",
+]
