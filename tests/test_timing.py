@@ -414,10 +414,19 @@ def test_delayed_fp8_quantises_in_the_kernels_that_record_the_amax():
     three amaxes and rolling its history by concatenation made kernels per site: 140 kernels
     over bfloat16's step for 12 sites here (GPT-2 small: 1795 against 875), 47 now (GPT-2
     small: 1291)."""
-    bf16 = _kernel_count(_toy_lm_step("mixed_bfloat16")[0])
+    bf16_report = _toy_lm_step("mixed_bfloat16")[0]
+    bf16 = _kernel_count(bf16_report)
     report, fp8_state = _toy_lm_step("mixed_fp8")
     fp8_kernels, sites = _kernel_count(report), len(fp8_state.sites)
     assert sites == 12 and fp8_kernels - bf16 <= 4.5 * sites, (fp8_kernels, bf16)
+    # The report says what fp8 buys here: at these tiny shapes its scaling costs more than its
+    # GEMMs save, and the report says fp8 is predicted slower than bf16.
+    assert bf16_report.fp8 is None
+    cost = report.fp8
+    assert cost is not None and cost.gemms >= 2 * sites and cost.scaling > 2 * sites
+    assert cost.slower and cost.scaling_seconds > cost.saved_seconds
+    assert "fp8 is predicted SLOWER than bf16" in report.table()
+    assert report.to_dict()["fp8"]["slower"] is True
 
 
 @pytest.mark.gpu_compile

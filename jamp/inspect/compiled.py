@@ -24,7 +24,7 @@ from typing import Any, Optional
 from jamp import hlo, losses
 from jamp.hlo import buffers
 from jamp.hlo.kernels import attention_mask
-from jamp.inspect import timing
+from jamp.inspect import fp8_cost, timing
 from jamp.inspect._paths import op_name_path, split_top
 
 _GIB = float(1 << 30)
@@ -121,6 +121,8 @@ class CompileReport:
     attention_traced: tuple[tuple[str, str, str], ...] = ()
     # The step time predicted from the program's kernels (a model, not a measurement).
     estimate: Optional[timing.Estimate] = None
+    # What its fp8 GEMMs save and their scaling costs (a model); None without fp8 GEMMs.
+    fp8: Optional[fp8_cost.Fp8Cost] = None
 
     def usable_bytes(self, fraction: Optional[float] = None) -> int:
         """Bytes a step may plan for per device: `fraction` (default
@@ -166,6 +168,8 @@ class CompileReport:
         out["fits"] = self.fits()
         out["usable_bytes"] = self.usable_bytes()
         out["estimate"] = self.estimate.to_dict() if self.estimate is not None else None
+        if self.fp8 is not None:
+            out["fp8"]["slower"] = self.fp8.slower
         return out
 
     def to_json(self) -> str:
@@ -268,6 +272,8 @@ def _table_lines(r: CompileReport) -> list[str]:
         )
     if r.estimate is not None:
         lines.extend(r.estimate.lines())
+    if r.fp8 is not None:
+        lines.extend(r.fp8.lines())
     return lines
 
 
@@ -409,4 +415,5 @@ def build_report(
         hlo_text=text,
         attention_traced=tuple(tuple(a) for a in attention_traced),
         estimate=timing.estimate(program, target.gpu, found_gemms=found),
+        fp8=fp8_cost.summary(program, target.gpu),
     )
