@@ -1,6 +1,7 @@
 """experiments/: the benchmark peers build the same networks as jamp.models (no timing here); the
 fp8 accuracy script runs in its quickest mode, and its Flax peer threads flax's fp8 variables."""
 
+import json
 import pathlib
 import subprocess
 import sys
@@ -138,7 +139,6 @@ def test_gpu_suite_dry_run_writes_each_row_and_the_kernel_table(tmp_path):
     """The GPU suite end to end on this CPU with tiny shapes (two rows; the experiment's own run
     is all of them on a GPU): every row timed in its own process, the table, the JSON lines and
     the profiled row's kernel table written."""
-    import json
 
     cmd = [sys.executable, str(EXPERIMENTS / "gpu_suite.py"), "--quick", "--out", str(tmp_path)]
     cmd += ["--rows", "lm_jamp_bf16", "lm_fp32", "--deadline", "300"]
@@ -171,3 +171,21 @@ def test_long_attention_quick_mode_runs_causal_and_windowed_masks_as_cudnn_does(
     ]
     assert [row.split(" | ")[1] for row in rows[1:]] == ["causal", "causal, window 1025"]
     assert "not a measurement" in out.read_text() and "not a measured peak" in out.read_text()
+
+
+@pytest.mark.gpu_compile
+def test_fp8_widths_quick_mode_writes_its_table(tmp_path):
+    """The bf16 -> fp8 table by width: tiny shapes here, both policies compiled for an H200,
+    each with the model's range; a layer's GEMMs priced by gemm_rate."""
+    import fp8_widths
+
+    fp8_widths.main(["--quick", "--out", str(tmp_path)])
+    table = (tmp_path / "fp8_widths_quick.md").read_text()
+    assert "not a measurement" in table and "| tiny |" in table
+    (row,) = json.loads((tmp_path / "fp8_widths_quick.json").read_text())["rows"]
+    step = row["step"]
+    assert step["bf16_range_ms"][0] < step["bf16_ms"] < step["bf16_range_ms"][1]
+    assert step["speedup"] == pytest.approx(step["bf16_ms"] / step["fp8_ms"])
+    assert step["fp8_scaling_kernels"] > 0
+    # 4 forward products of a layer, 2 backward each
+    assert len(fp8_widths.layer_gemms(64, 256, 256)) == 12
