@@ -151,7 +151,7 @@ def test_gpu_estimate_dumps_a_batch_and_predicts_its_mfu(tmp_path):
     import gpt2_variants
     import gpu_estimate
 
-    from jamp.inspect.timing import RATES
+    from jamp.inspect.timing import ERROR, RATES
 
     gpu_estimate.dump(tmp_path, ["lm_jamp_bf16"], quick=True, batch=2)
     info = json.loads((tmp_path / "lm_jamp_bf16_b2.json").read_text())
@@ -161,8 +161,10 @@ def test_gpu_estimate_dumps_a_batch_and_predicts_its_mfu(tmp_path):
     assert row["variant"] == "lm_jamp_bf16_b2" and row["batch"] == 2
     peak = target_lib.GPUS["h200"].bf16_tflops * 1e12
     assert row["predicted_mfu"] == pytest.approx(built.model_flops / row["seconds"] / peak)
-    table = gpu_estimate._markdown({"rates": RATES.__dict__, "calibration": [], "variants": [row]})
+    result = {"rates": RATES.__dict__, "calibration": [], "error": ERROR, "variants": [row]}
+    table = gpu_estimate._markdown(result)
+    low, high = (row["seconds"] * 1e3 * (1 + e) for e in (-ERROR, ERROR))
     assert (
-        f"| lm_jamp_bf16_b2 | 2 | {row['seconds'] * 1e3:.2f} | {row['predicted_mfu']:.1%} |"
-        in table
+        f"| lm_jamp_bf16_b2 | 2 | {row['seconds'] * 1e3:.2f} | {low:.1f}-{high:.1f} "
+        f"| {row['predicted_mfu']:.1%} |" in table
     )
