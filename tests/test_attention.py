@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from toy import spy_attend_shapes
 
 import jamp
 from jamp import attention, traced_for
@@ -322,20 +323,8 @@ def test_attention_is_causal_where_masks_of_data_hide_at_least_the_causal_half(m
     assert not calls[0]["causal"]  # padding alone hides no causal half
 
 
-def _spy_attend(monkeypatch):
-    calls = []
-    original = attention.attend
-
-    def spy(q, k, v, **kw):
-        calls.append((q.shape, k.shape, v.shape))
-        return original(q, k, v, **kw)
-
-    monkeypatch.setattr(attention, "attend", spy)
-    return calls
-
-
 def test_attention_takes_repeated_keys_and_values_grouped(monkeypatch):
-    calls = _spy_attend(monkeypatch)
+    calls = spy_attend_shapes(monkeypatch)
     _run(_repeated, BF16)(Q, K, V)
     assert calls == [((B, T, N, H), (B, T, 2, H), (B, T, 2, H))]  # 2 kv heads, not N copies
     calls.clear()
@@ -347,7 +336,7 @@ def test_attention_takes_repeated_keys_and_values_grouped(monkeypatch):
 def test_llama_attention_is_grouped_in_every_layer(monkeypatch):
     from jamp.models.llama import LlamaLM
 
-    calls = _spy_attend(monkeypatch)
+    calls = spy_attend_shapes(monkeypatch)
     model = LlamaLM(
         vocab_size=64, num_layers=3, d_model=32, num_heads=4, num_kv_heads=2, mlp_dim=64, max_len=16
     )

@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from toy import spy_attend_shapes
 
 import jamp
-from jamp import attention, traced_for
+from jamp import traced_for
 from jamp.engine import _attention, _recompute, _repeats, _tail, recompute_widened, rewrite
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
@@ -59,18 +60,6 @@ PROGRAMS = {
 }
 
 
-def _spy_attend(monkeypatch):
-    calls = []
-    original = attention.attend
-
-    def spy(q, k, v, **kw):
-        calls.append((q.shape, k.shape, v.shape))
-        return original(q, k, v, **kw)
-
-    monkeypatch.setattr(attention, "attend", spy)
-    return calls
-
-
 def _run(fn, fuse=True):
     return rewrite(fn, BF16, activations="float32", fuse_attention=fuse)
 
@@ -78,7 +67,7 @@ def _run(fn, fuse=True):
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_composed_broadcasts_fuse_grouped_and_match_the_program_as_traced(name, monkeypatch):
     fn = PROGRAMS[name]
-    calls = _spy_attend(monkeypatch)
+    calls = spy_attend_shapes(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error", jamp.RecognitionWarning)
         fused = jax.jit(_run(fn))(Q, K, V)
@@ -182,7 +171,7 @@ class _Two(nn.Module):
 
 
 def test_attention_fusion_is_turned_off_per_wrap_and_per_module_path(monkeypatch):
-    calls = _spy_attend(monkeypatch)
+    calls = spy_attend_shapes(monkeypatch)
     x = jax.random.normal(jax.random.key(4), (B, T, 32))
     variables = _Two().init(jax.random.key(5), x)
     runs = {}
@@ -200,7 +189,7 @@ def test_attention_fusion_is_turned_off_per_wrap_and_per_module_path(monkeypatch
 
 
 def test_attention_fusion_is_turned_off_for_nnx_and_autocast(monkeypatch):
-    calls = _spy_attend(monkeypatch)
+    calls = spy_attend_shapes(monkeypatch)
 
     class Attn(nnx.Module):
         def __init__(self, rngs):
@@ -273,7 +262,7 @@ def test_sweep_of_layout_chains_around_an_attention_never_raises(seed, monkeypat
             q = jnp.transpose(jnp.transpose(q, (0, 2, 1, 3)), (0, 2, 1, 3))
         return _attend(q, chain_k(k), chain_v(v))
 
-    calls = _spy_attend(monkeypatch)
+    calls = spy_attend_shapes(monkeypatch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fused = _run(fn)(Q, K, V)

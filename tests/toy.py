@@ -114,3 +114,18 @@ def h200x8_llama_report(loss_of):
         jax.eval_shape(lambda: jax.random.key(0)),
         target=target,
     )
+
+
+def spy_attend_shapes(monkeypatch):
+    """Record the (q, k, v) shapes of every fused attention call (jamp.attention.attend)."""
+    from jamp import attention
+
+    calls = []
+    original = attention.attend
+
+    def spy(q, k, v, **kw):
+        calls.append((q.shape, k.shape, v.shape))
+        return original(q, k, v, **kw)
+
+    monkeypatch.setattr(attention, "attend", spy)
+    return calls
