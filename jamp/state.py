@@ -111,16 +111,17 @@ class TrainState:
             fp8_state: the fp8 scaling state to start from (`jamp.fp8.init_state`), or None.
             adaptive_state: the adaptive-precision state to start from
                 (`jamp.adaptive.Controller.init`), or None.
-            compute_dtype: a 16-bit float dtype (the policy's compute dtype, e.g.
-                `jnp.bfloat16`) to keep `compute_params` in: every float32 param of two or more
+            compute_dtype: the policy's compute dtype (`policy.compute_dtype`). A 16-bit float
+                dtype (e.g. `jnp.bfloat16`) keeps `compute_params` in it: every float32 param of two or more
                 axes also in that dtype, which the step's update writes as it writes the params
                 (one more output of the kernel it runs anyway) and the next step's matmuls read.
                 That saves a cast kernel per weight matrix per step, reading the float32 params,
                 for 2 bytes per parameter held between steps (the 16-bit copies a step casts
                 are alive through its backward pass anyway). The model computes with the cast's
                 bits (XLA:CPU at -O0 was seen to round a few copies one step off; checkpoints
-                keep the copies, so a resumed run reads what the update wrote). None (the
-                default): the step casts the params itself.
+                keep the copies, so a resumed run reads what the update wrote). float32 (the
+                `float32` policy's) or None (the default): no copies; the step casts the params
+                itself if the model computes in 16 bits.
 
         Returns:
             A `TrainState` with `step == 0` and `skipped_steps == 0`, both int32 arrays.
@@ -132,10 +133,13 @@ class TrainState:
         """
         if compute_dtype is not None:
             d = jnp.dtype(compute_dtype)
-            if not (jnp.issubdtype(d, jnp.floating) and d.itemsize == 2):
+            if not jnp.issubdtype(d, jnp.floating) or d.itemsize == 1:
                 raise ValueError(
-                    f"compute_dtype must be a 16-bit float dtype (bfloat16 or float16), got {d}."
+                    f"compute_dtype must be a float dtype (bfloat16 or float16 for copies, float32 "
+                    f"for none), got {d}."
                 )
+            if d.itemsize > 2:  # the float32 policy computes with the params themselves
+                compute_dtype = None
         return cls(
             step=_int32_scalar(0),
             params=params,

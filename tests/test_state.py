@@ -142,5 +142,37 @@ def test_compute_copies_of_an_abstract_state_are_abstract():
     state = TrainState.create(params, tx, compute_dtype=jnp.bfloat16).replace(params=shapes)
     assert state.compute_params["w"] == jax.ShapeDtypeStruct((4, 3), jnp.bfloat16)
     assert state.compute_params["b"] is None
-    with pytest.raises(ValueError, match="16-bit float dtype"):
-        TrainState.create(params, tx, compute_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="compute_dtype must be a float dtype"):
+        TrainState.create(params, tx, compute_dtype=jnp.int8)
+
+
+@pytest.mark.parametrize("name", ["float32", "mixed_bfloat16", "mixed_float16"])
+def test_the_readmes_pattern_runs_under_every_policy(name):
+    """`compute_dtype=policy.compute_dtype` as the README writes it: under the float32 policy
+    it means no copies (it was refused: a script switching policies failed), under the 16-bit
+    ones the copies the update writes; the step trains in each."""
+    import jamp
+
+    policy = jamp.get_policy(name)
+    model = jamp.wrap(nn.Dense(2), policy)
+    x = jax.random.normal(jax.random.key(0), (32, 4))
+    batch = {"x": x, "y": (x[:, 0] > 0).astype(jnp.int32)}
+    params = model.init(jax.random.key(1), x)["params"]
+
+    def loss_fn(params, model_state, batch, rng):
+        logits = model.apply({"params": params}, batch["x"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        return loss, (model_state, {})
+
+    tx = optax.adam(1e-2)
+    state = TrainState.create(
+        params, tx, loss_scale=jamp.loss_scale_for(policy), compute_dtype=policy.compute_dtype
+    )
+    copies = jax.tree.leaves(state.compute_params)
+    assert [c.dtype for c in copies] == ([] if name == "float32" else [policy.compute_dtype])
+    step = jax.jit(jamp.make_train_step(loss_fn, tx))
+    first = None
+    for _ in range(20):
+        state, metrics = step(state, batch, jax.random.key(2))
+        first = float(metrics["loss"]) if first is None else first
+    assert float(metrics["loss"]) < first
