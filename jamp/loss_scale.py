@@ -172,7 +172,10 @@ def _check_config(scale, growth_interval, growth_factor, backoff_factor, hystere
     if jnp.shape(scale) != ():
         raise bad(f"loss_scale must be a scalar, got shape {jnp.shape(scale)}")
     if not 0 < lo <= hi < math.inf:
-        raise bad(f"need 0 < min_loss_scale <= max_loss_scale < inf, got {lo}, {hi}")
+        raise bad(
+            f"need 0 < min_loss_scale <= max_loss_scale < inf (min_loss_scale=0 means no floor), "
+            f"got {lo}, {hi}"
+        )
     for name, value in (("min_loss_scale", lo), ("max_loss_scale", hi)):
         if not _positive_finite_in_fp32(value):
             raise bad(
@@ -284,7 +287,9 @@ class DynamicLossScale:
         fresh scale.
       period: jmp's name for `growth_interval`.
       factor: jmp's single factor: `growth_factor=factor`, `backoff_factor=1 / factor`.
-      min_loss_scale: lower bound, > 0 (a Python number or a concrete 0-d array, as jmp's).
+      min_loss_scale: lower bound, > 0 (a Python number or a concrete 0-d array, as jmp's);
+        0, jmp's "no floor", is fp32's smallest normal number (a scale that reaches 0 would
+        zero every gradient: jmp's goes there after ~150 overflows in a row).
       growth_interval: consecutive finite steps before the scale grows (int >= 1; 2000).
       growth_factor: growth multiplier, > 1 (2.0).
       backoff_factor: backoff multiplier, in (0, 1) (0.5).
@@ -331,6 +336,8 @@ class DynamicLossScale:
         if fresh:
             # Only a user's call gets here, so converting and reading values is safe.
             min_loss_scale = _static_number("min_loss_scale", min_loss_scale)
+            if _is_number(min_loss_scale) and min_loss_scale == 0:  # jmp's "no floor"
+                min_loss_scale = _FP32_TINY
             if max_loss_scale is None:
                 max_loss_scale = _default_max(loss_scale)
             _check_config(

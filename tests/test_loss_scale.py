@@ -464,7 +464,7 @@ def test_dynamic_defaults():
         (dict(growth_factor=1.0), "growth_factor"),
         (dict(backoff_factor=1.0), "backoff_factor"),
         (dict(backoff_factor=0.0), "backoff_factor"),
-        (dict(min_loss_scale=0.0), "min_loss_scale"),
+        (dict(min_loss_scale=-1.0), "min_loss_scale=0 means no floor"),
         (dict(loss_scale=0.5), "min_loss_scale <= loss_scale"),
         (dict(loss_scale=2.0**25, max_loss_scale=2.0**24), "loss_scale <= max_loss_scale"),
         (dict(min_loss_scale=4.0, max_loss_scale=2.0, loss_scale=3.0), "min_loss_scale"),

@@ -187,3 +187,24 @@ def test_jmp_whole_number_periods_are_taken_as_jmp_takes_them(period):
 def test_a_period_that_is_no_whole_number_gets_one_line(period):
     with pytest.raises(ValueError, match="growth_interval must be an int >= 1"):
         DynamicLossScale(jnp.asarray(2.0**15), period=period)
+
+
+def test_jmp_min_loss_scale_zero_is_no_floor_that_never_reaches_zero():
+    """jmp's tests pass `min_loss_scale=0.0` for "no floor" (it was refused: "need 0 <
+    min_loss_scale"). jamp takes it: the same schedule as jmp's while jmp's scale is a normal
+    number, then stops at fp32's smallest normal number, where jmp's goes on to 0 (and would
+    zero every gradient)."""
+    theirs = jmp.DynamicLossScale(jnp.float32(2.0**15), min_loss_scale=jnp.float32(0.0))
+    ours = jamp.DynamicLossScale(jnp.float32(2.0**15), min_loss_scale=0.0)
+    assert ours.min_loss_scale == float(np.finfo(np.float32).tiny)
+    flags = np.array([True] * 5 + [False] * 200)
+    expected, got = drive_eagerly(theirs, flags), drive_eagerly(ours, flags)
+    tiny = float(np.finfo(np.float32).tiny)
+    for e, g in zip(expected, got):
+        if e["loss_scale"] >= tiny:
+            assert g["loss_scale"] == e["loss_scale"] and g["counter"] == e["counter"]
+        else:
+            assert g["loss_scale"] == tiny
+    assert expected[-1]["loss_scale"] == 0.0 and got[-1]["loss_scale"] == tiny
+    with pytest.raises(ValueError, match="min_loss_scale=0 means no floor"):
+        jamp.DynamicLossScale(2.0**15, min_loss_scale=-1.0)
