@@ -199,6 +199,13 @@ def test_train_resumes_where_it_stopped(tmp_path, data_dir):
     steps = [r["step"] for r in _records(workdir, "train")]
     assert steps == sorted(steps) and steps[-1] == 12
     assert steps.count(4) == 1  # steps 1-6 were not trained again
+    # Run once more, finished: one line saying so and how to go on, nothing trained or written.
+    metrics = (workdir / "metrics.jsonl").read_text()
+    out = _smoke("default", workdir, data_dir)
+    assert f"the run in {workdir} is complete: its checkpoint is at step 12" in out.stdout
+    assert "--config.num_train_steps" in out.stdout and "another --workdir" in out.stdout
+    assert "resuming" not in out.stdout and "throughput" not in out.stdout
+    assert (workdir / "metrics.jsonl").read_text() == metrics
 
 
 @pytest.mark.program

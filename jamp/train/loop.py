@@ -280,6 +280,8 @@ def train_and_evaluate(
             # CheckpointError if it belongs to another config; damaged newer ones are set aside
             fit = _fp8_sites_as_stored if adapt is not None and run.fp8 else None
             state = ckpt.restore(_restore_target(run, state), set_aside_damaged=True, fit=fit)
+            if int(state.step) >= run.num_train_steps:
+                return _complete(run, int(state.step), workdir)
             print(f"resuming from the checkpoint at step {int(state.step)}", flush=True)
             if adapt is not None:  # the promotions made before the checkpoint hold again
                 state = adapt.resume(state)
@@ -314,6 +316,19 @@ def train_and_evaluate(
     if jax.process_index() == 0:
         print(summary_table(summary), flush=True)
     return summary
+
+
+def _complete(run, step: int, workdir: pathlib.Path) -> dict:
+    """A run whose checkpoint already holds its last step: one line saying so and how to go
+    on, instead of a run of 0 steps with no throughput."""
+    if jax.process_index() == 0:
+        print(
+            f"the run in {workdir} is complete: its checkpoint is at step {step} of "
+            f"num_train_steps={run.num_train_steps}; to train on, raise --config.num_train_steps; "
+            "to start afresh, give another --workdir",
+            flush=True,
+        )
+    return {"complete": True, "step": step, "workdir": str(workdir)}
 
 
 def _train(
