@@ -1,6 +1,6 @@
 """NVIDIA GPUs as compile targets on any machine: a step's real GPU program without the GPU.
 
-JAX compiles for a GPU that is not there: the CUDA plugin (`pip install 'jamp-jax[gpu-compile]'`,
+JAX compiles for a GPU that is not there: the CUDA plugin (`pip install -e '.[gpu-compile]'`,
 no driver needed) describes a topology of GPUs from a target config, and a step lowered for
 those devices with abstract arguments compiles to the program XLA would run on them, with its
 buffer assignment. `compile_for` does that for any jitted step and reads the result
@@ -41,6 +41,9 @@ from jax.sharding import PartitionSpec as P
 from jamp import hardware, jax_compat
 from jamp.hlo import dump
 from jamp.inspect.compiled import memory_fraction  # re-exported: what "fits" is measured against
+
+# What installs the plugin and cuDNN: the gpu-compile extra (jamp-jax is not released yet).
+INSTALL_HINT = "in a checkout of jamp, pip install -e '.[gpu-compile]'"
 
 
 class TargetUnavailable(RuntimeError):
@@ -210,14 +213,14 @@ def _topology(gpu: Gpu, hosts: int, per_host: int):
 
     if not plugin_available():
         raise TargetUnavailable(
-            "compiling for a GPU target needs JAX's CUDA plugin: pip install 'jamp-jax[gpu-compile]' "
+            f"compiling for a GPU target needs JAX's CUDA plugin: {INSTALL_HINT} "
             "(jax-cuda12-plugin at jaxlib's version; no GPU or driver needed)"
         )
     if not cudnn_available():
         warnings.warn(
             f"cuDNN is not installed here: {gpu.name} programs compile without its fused "
-            "attention (written out instead), unlike on a GPU with cuDNN; pip install "
-            "'jamp-jax[gpu-compile]' (nvidia-cudnn-cu12)",
+            f"attention (written out instead), unlike on a GPU with cuDNN; {INSTALL_HINT} "
+            "(nvidia-cudnn-cu12)",
             RuntimeWarning,
             stacklevel=4,
         )
@@ -291,11 +294,14 @@ def compile_for(
       TargetUnavailable: no CUDA plugin here.
       ValueError: a bad target name, or a step that did not compile for the target's devices.
     """
-    from jamp.inspect import compiled
+    from jamp.inspect import _paths, compiled
 
     target = get_target(target)
     started = time.perf_counter()
-    lowered, tracing = _lower(fn, target, mesh, args, kwargs)
+    # The module calls made while tracing name each op's module by its params path.
+    (lowered, tracing), calls = _paths.recording_calls(
+        fn, lambda: _lower(fn, target, mesh, args, kwargs)
+    )
     options = {"xla_dump_hlo_as_text": True, **(compiler_options or {})}
     executable, files = dump.compile_dumped(lowered, options, keep=compiled.DUMPS)
     seconds = time.perf_counter() - started
@@ -315,6 +321,7 @@ def compile_for(
         activations=sorted(tracing.activations),
         attention_traced=tracing.attention,
         compile_seconds=seconds,
+        calls=calls,
     )
 
 

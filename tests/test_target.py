@@ -4,7 +4,7 @@ Every claim about GPU kernels, dtypes, collectives and memory is read from the p
 compiles for the target: GEMMs (cuBLAS / Triton fusions / cuDNN convolutions), fp8 cuBLASLt
 calls, FSDP collectives, the buffer assignment. Compiling for a GPU is slow here (10-40 s a
 program), so each program serves several checks: one program holds the five models whose
-dtypes are checked under a policy. Needs JAX's CUDA plugin (`pip install 'jamp-jax[gpu-compile]'`,
+dtypes are checked under a policy. Needs JAX's CUDA plugin (`pip install -e '.[gpu-compile]'`,
 CI's newest end); without it these tests skip, saying so.
 """
 
@@ -60,7 +60,7 @@ def test_target_without_the_plugin_is_one_line(monkeypatch):
         with pytest.raises(
             target_lib.TargetUnavailable,
             match=r"^compiling for a GPU target "
-            r"needs JAX's CUDA plugin: pip install 'jamp-jax\[gpu-compile\]'",
+            r"needs JAX's CUDA plugin: in a checkout of jamp, pip install -e '\.\[gpu-compile\]'",
         ):
             _ = target_lib.get_target("b200").devices
     finally:

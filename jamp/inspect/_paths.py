@@ -14,9 +14,14 @@ instruction's `op_name`. Around those names sit what JAX and jamp add:
   `jamp_broadcast_sum` (`jamp.scopes.SUM_SCOPE`), user scopes.
 
 `module_path` strips all of that down to the path Flax gives the module in the variables tree
-("DecoderBlock_0/Dense_0"; "" outside any module). It is exact for a trace recorded with
-`ModuleCalls`, which notes every module call's scope name; without one it keeps every name that
-looks like a module's and drops what `jamp.wrap` put above the model.
+("DecoderBlock_0/Dense_0"; "" outside any module): the one name jamp's reports, overrides and
+logs give a module. It is exact for a trace recorded with `ModuleCalls`, which notes every
+module call's scope names and the params path they stand for: a module whose method calls
+another of its own wrapped methods (`nn.SelfAttention` calls `MultiHeadDotProductAttention`'s
+`__call__`, a lifted transform's inner module) repeats its name on the stack,
+`Block_0/SelfAttention_0/SelfAttention_0/query`, for the params path
+`Block_0/SelfAttention_0/query`. Without one it keeps every name that looks like a module's and
+drops what `jamp.wrap` put above the model (an unwrapped root's class name stays).
 
 A `jamp.wrap`ped NNX model's submodule calls run in a scope naming their whole attribute path,
 `jamp_nnx(blocks.0.attn)` (`jamp.scopes.CALL_SCOPE`); the innermost such scope is the path
@@ -38,7 +43,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from typing import Optional
+import weakref
+from typing import Any, Callable, Optional
 
 import flax.linen as nn
 
@@ -143,7 +149,11 @@ class ModuleCalls:
         self.classes: dict[str, type] = {}  # module path -> class
         self.nnx_roots: set[str] = set()  # class names of wrapped NNX models called
         self.wrapped: list = []  # jamp.wrap's linen Wrapped modules, NNX models' settings
+        # The scope names of the module calls below a root, as they stand on the name stack
+        # (methods as "Dense_0.attend"), -> the module's params path.
+        self.chains: dict[tuple[str, ...], str] = {}
         self._stack: list[str] = []
+        self._chain: tuple[str, ...] = ()
 
     def _interceptor(self, next_fun, args, kwargs, context):
         module, method = context.module, context.method_name
@@ -155,18 +165,23 @@ class ModuleCalls:
                 if not any(w is module for w in self.wrapped):
                     self.wrapped.append(module)
             path: list[str] = []
-        elif self._stack and self._stack[-1] == scope:
-            path = list(self._stack)  # its own method, or a lifted transform's inner module
+            chain: tuple[str, ...] = ()
         else:
-            self.modules.add(scope)
-            path = self._stack + [scope]
+            if self._stack and self._stack[-1] == scope:
+                path = list(self._stack)  # its own method, or a lifted transform's inner module
+            else:
+                self.modules.add(scope)
+                path = self._stack + [scope]
+            chain = self._chain + (label,)
+            self.chains.setdefault(chain, "/".join(path))
         if type(module).__name__ != "Wrapped":
             self.classes.setdefault("/".join(path), type(module))
-        saved, self._stack = self._stack, path
+        saved = self._stack, self._chain
+        self._stack, self._chain = path, chain
         try:
             return next_fun(*args, **kwargs)
         finally:
-            self._stack = saved
+            self._stack, self._chain = saved
 
     def _nnx_call(self, path: str, cls: type, setup) -> None:
         if path:
@@ -182,6 +197,28 @@ class ModuleCalls:
         the submodules' of `jamp.wrap`ped NNX models."""
         with nn.intercept_methods(self._interceptor), _observing_nnx_calls(self._nnx_call):
             yield self
+
+
+# The module calls recorded the last time each function was traced: a jitted function (a
+# sharded step) is traced once, and JAX serves its cached trace afterwards, running no module.
+_RECORDED: "weakref.WeakKeyDictionary[Any, ModuleCalls]" = weakref.WeakKeyDictionary()
+
+
+def recording_calls(fn, trace: Callable[[], Any]) -> tuple[Any, ModuleCalls]:
+    """`trace()` (which traces `fn`), and the module calls recorded while it ran; where it
+    recorded none (JAX served a cached trace of `fn`), those recorded last time `fn` was traced
+    here."""
+    calls = ModuleCalls()
+    with calls.recording():
+        out = trace()
+    try:
+        if calls.roots or calls.nnx_roots:
+            _RECORDED[fn] = calls
+        else:
+            calls = _RECORDED.get(fn, calls)
+    except TypeError:  # not weakly referable: keep what was recorded
+        pass
+    return out, calls
 
 
 def _is_root(text: str, calls: Optional[ModuleCalls]) -> bool:
@@ -225,14 +262,26 @@ def module_path(name_stack: str, calls: Optional[ModuleCalls] = None) -> str:
             start = i + 1
             if calls is None and _WRAPPED.match(text) and i + 1 < len(texts):
                 start = i + 2  # the wrapped model's class name follows Wrapped's scope
-    path: list[str] = []
-    previous = texts[start - 1].partition(".")[0] if start else None
+    kept = []
     for text in texts[start:]:
         if not _MODULE_LIKE.match(text) or text in _JAX_NAMES:
             continue  # an einsum spec, a name JAX added
-        scope, _, method = text.partition(".")
-        if calls is not None and calls.roots and scope not in calls.modules:
+        if calls is not None and calls.roots and text.partition(".")[0] not in calls.modules:
             continue  # a user's own scope inside a Flax program
+        kept.append(text)
+    # The longest run of scopes a recorded call left names its params path exactly; names past
+    # it (calls of a trace JAX served from its cache, unseen) are read one module each.
+    path: list[str] = []
+    previous = texts[start - 1].partition(".")[0] if start else None
+    chains = calls.chains if calls is not None else {}
+    for end in range(len(kept) if chains else 0, 0, -1):
+        found = chains.get(tuple(kept[:end]))
+        if found is not None:
+            path = found.split("/") if found else []
+            previous, kept = kept[end - 1].partition(".")[0], kept[end:]
+            break
+    for text in kept:
+        scope, _, method = text.partition(".")
         if not (method and scope == previous):  # else: a module calling a method of its own
             path.append(scope)
         previous = scope
@@ -269,3 +318,13 @@ def op_name_path(op_name: str, calls: Optional[ModuleCalls] = None) -> tuple[str
     parts = split_top(op_name)
     stack = "/".join(parts[:-1])  # the last name is the primitive
     return module_path(stack, calls), is_backward(stack)
+
+
+def report_path(op_name: str, calls: Optional[ModuleCalls] = None) -> tuple[str, bool]:
+    """`op_name_path` for a report: the params path of the module an op ran in; where the
+    recorded calls give none (work of the model's root, a loss's own scopes), the path its name
+    stack reads without them, as before calls were recorded."""
+    path, backward = op_name_path(op_name, calls)
+    if not path and calls is not None:
+        path, backward = op_name_path(op_name)
+    return path, backward

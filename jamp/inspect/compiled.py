@@ -25,7 +25,7 @@ from jamp import hlo, losses
 from jamp.hlo import buffers
 from jamp.hlo.kernels import attention_mask
 from jamp.inspect import fp8_cost, timing
-from jamp.inspect._paths import op_name_path, split_top
+from jamp.inspect._paths import ModuleCalls, module_path, report_path, split_top
 
 _GIB = float(1 << 30)
 
@@ -123,6 +123,14 @@ class CompileReport:
     estimate: Optional[timing.Estimate] = None
     # What its fp8 GEMMs save and their scaling costs (a model); None without fp8 GEMMs.
     fp8: Optional[fp8_cost.Fp8Cost] = None
+    # The module calls recorded while the step was traced: they name an op's module by its
+    # params path (`jamp.inspect._paths`). Not part of the report's data.
+    calls: Optional[ModuleCalls] = dataclasses.field(default=None, repr=False, compare=False)
+
+    def op_path(self, op_name: str) -> tuple[str, bool]:
+        """(module path, whether backward) of an HLO instruction's `op_name`: the params path
+        of the module it ran in ("" outside any), read with the calls recorded while tracing."""
+        return report_path(op_name, self.calls)
 
     def usable_bytes(self, fraction: Optional[float] = None) -> int:
         """Bytes a step may plan for per device: `fraction` (default
@@ -151,14 +159,15 @@ class CompileReport:
         found: collections.Counter[tuple[str, str, str]] = collections.Counter()
         for g in self.gemms:
             if g.is_fp32:
-                path, backward = op_name_path(g.op_name)
+                path, backward = self.op_path(g.op_name)
                 key = (path or _scope(g.op_name), "backward" if backward else "forward", g.kind)
                 found[key] += g.count
         return [(*k, n) for k, n in sorted(found.items())]
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        out = dataclasses.asdict(dataclasses.replace(self, hlo_text="", calls=None))
         out.pop("hlo_text")
+        out.pop("calls")
         out["memory"]["peak"] = self.memory.peak
         out["memory"]["share"] = self.memory.share
         out["gemms"] = [dataclasses.asdict(g) for g in self.gemm_groups()]
@@ -296,12 +305,14 @@ def _traced_attention_lines(r: CompileReport) -> list[str]:
     return lines
 
 
-def _attention(program: hlo.Program, gemms: list[hlo.Gemm]) -> list[Attention]:
+def _attention(
+    program: hlo.Program, gemms: list[hlo.Gemm], calls: Optional[ModuleCalls] = None
+) -> list[Attention]:
     sites: dict[str, list[int]] = {}  # path -> [fused fwd, fused bwd, gemm fwd, gemm bwd]
     masks: dict[str, str] = {}
     for inst in program.instructions:
         if inst.op == "custom-call" and inst.target.startswith("__cudnn$fmha"):
-            path, _ = op_name_path(inst.op_name)
+            path, _ = report_path(inst.op_name, calls)
             path = path or _scope(inst.op_name)
             backward = "Backward" in inst.target
             sites.setdefault(path, [0, 0, 0, 0])[1 if backward else 0] += 1
@@ -311,14 +322,14 @@ def _attention(program: hlo.Program, gemms: list[hlo.Gemm]) -> list[Attention]:
     softmax = set()  # paths with an exponential: a softmax
     for inst in program.instructions:
         if inst.op == "exponential":
-            path, backward = op_name_path(inst.op_name)
+            path, backward = report_path(inst.op_name, calls)
             if not backward:
                 softmax.add(path or _scope(inst.op_name))
     for g in gemms:
         # (the fused head + loss: batched GEMMs around an exponential too, but no attention)
         if not g.batched or losses.SCOPE in g.op_name:
             continue
-        path, backward = op_name_path(g.op_name)
+        path, backward = report_path(g.op_name, calls)
         path = path or _scope(g.op_name)
         if path in softmax:
             sites.setdefault(path, [0, 0, 0, 0])[3 if backward else 2] += 1
@@ -371,10 +382,26 @@ def _arguments_by_dtype(allocations) -> dict[str, int]:
 DUMPS = ("buffer-assignment.txt", "live-range.txt")
 
 
+def _traced_path(where: str, calls: Optional[ModuleCalls]) -> str:
+    """The params path of the module an attention recognised while tracing ran in (the engine
+    notes its name-scope path); the scope path itself where it names no module."""
+    return module_path(where, calls) or where
+
+
 def build_report(
-    *, target, devices, executable, files, mesh, activations, compile_seconds, attention_traced=()
+    *,
+    target,
+    devices,
+    executable,
+    files,
+    mesh,
+    activations,
+    compile_seconds,
+    attention_traced=(),
+    calls: Optional[ModuleCalls] = None,
 ) -> CompileReport:
-    """The report of one compiled program (see `jamp.compile_for`)."""
+    """The report of one compiled program (see `jamp.compile_for`); `calls`: the module calls
+    recorded while its step was traced, which name modules by their params paths."""
     missing = [d for d in DUMPS if not any(n.endswith(d) for n in files)]
     if missing:
         raise RuntimeError(
@@ -410,10 +437,13 @@ def build_report(
         compile_seconds=compile_seconds,
         memory=memory,
         gemms=tuple(found),
-        attention=tuple(_attention(program, found)),
+        attention=tuple(_attention(program, found, calls)),
         collectives=tuple(_collective_groups(program, mesh)),
         hlo_text=text,
-        attention_traced=tuple(tuple(a) for a in attention_traced),
-        estimate=timing.estimate(program, target.gpu, found_gemms=found),
+        attention_traced=tuple(
+            (_traced_path(where, calls), how, why) for where, how, why in attention_traced
+        ),
+        estimate=timing.estimate(program, target.gpu, found_gemms=found, calls=calls),
         fp8=fp8_cost.summary(program, target.gpu),
+        calls=calls,
     )

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import weakref
 from typing import Any, Callable, Optional
 
 import jax
@@ -291,25 +290,10 @@ def _compiled_parts(fn, args, calls) -> tuple[list[Gemm], list[Hazard], dict]:
     return gemms, hazards, nbytes
 
 
-# The module calls recorded the last time each function was traced: a jitted function (a
-# sharded step) is traced once, and JAX serves its cached trace afterwards, running no module.
-_RECORDED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def _trace(fn, args):
     """`fn`'s jaxpr on `args`, and the Flax module calls made while tracing it."""
-    calls = _paths.ModuleCalls()
-    with calls.recording():
-        # A new function each time, so that at least the outer trace runs again.
-        closed = jax.make_jaxpr(lambda *a: fn(*a))(*args)
-    try:
-        if calls.roots or calls.nnx_roots:
-            _RECORDED[fn] = calls
-        else:
-            calls = _RECORDED.get(fn, calls)
-    except TypeError:  # not weakly referable: keep what was recorded
-        pass
-    return closed, calls
+    # A new function each time, so that at least the outer trace runs again.
+    return _paths.recording_calls(fn, lambda: jax.make_jaxpr(lambda *a: fn(*a))(*args))
 
 
 def _survey(jaxpr) -> tuple[Optional[np.dtype], bool, bool]:

@@ -29,7 +29,7 @@ from typing import Any
 from jamp.hlo.kernels import Kernel, kernels
 from jamp.hlo.text import Program
 from jamp.inspect import gemm_rate
-from jamp.inspect._paths import op_name_path
+from jamp.inspect._paths import report_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,16 +194,18 @@ def _outside(op_name: str) -> str:
 
 
 def estimate(
-    program: Program, gpu, rates: Rates = RATES, top: int = 20, found_gemms=None
+    program: Program, gpu, rates: Rates = RATES, top: int = 20, found_gemms=None, calls=None
 ) -> Estimate:
     """The predicted step time of a compiled program on `gpu` (a `jamp.target.Gpu`);
-    `found_gemms`: the program's `jamp.hlo.gemms`, where the caller has them already."""
+    `found_gemms`: the program's `jamp.hlo.gemms`, where the caller has them already; `calls`:
+    the module calls recorded while the step was traced (`jamp.inspect._paths.ModuleCalls`),
+    which name each kernel's module by its params path."""
     times = []
     by_kind: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
     launches = 0
     for k in kernels(program, found_gemms):
         one, bound = kernel_seconds(k, gpu, rates)
-        path, backward = op_name_path(k.op_name) if k.op_name else ("", False)
+        path, backward = report_path(k.op_name, calls) if k.op_name else ("", False)
         times.append(
             KernelTime(
                 k.name,
