@@ -34,6 +34,10 @@ Differences between the supported releases (JAX 0.10 to 0.12), and how each is r
   cache waits forever in its first collective (0.12.0.1 and earlier run it; a compile that
   writes the cache runs too): `cached_cpu_collectives_hang`, for `python -m jamp.train` to keep
   such a run off the cache.
+* JAX's settings are attributes of `jax.config` in every release (`jax_enable_compilation_cache`),
+  but only from 0.12 on does its `Config` tell a type checker so (0.10's declares none of them,
+  and `jax.config.read` refuses a setting that has a context manager, as these do):
+  `config_value` reads one by name.
 * `jax.sharding.SingleDeviceSharding` is deprecated from JAX 0.12.1 on: jamp builds one-device
   shardings with `jax.sharding.make_single_device_sharding` (public from 0.10 on) and asks
   whether a sharding is one with `is_single_device_sharding` (JAX's own from 0.12.1, the class
@@ -222,6 +226,11 @@ def cudnn_version() -> int | None:
         return int(cuda_versions.cudnn_get_version())
     except (RuntimeError, OSError):
         return None
+
+
+def config_value(name: str) -> Any:
+    """The current value of JAX's setting `name` (e.g. "jax_compilation_cache_dir")."""
+    return getattr(jax.config, name)
 
 
 def is_single_device_sharding(sharding: Any) -> bool:

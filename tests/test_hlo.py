@@ -117,6 +117,17 @@ def test_hlo_combined_collective_without_a_name_is_named_by_its_parts():
             "replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=(0,4,1,5,2,6,3,7) {'axis_0'}",
             ((0, 1, 2, 3), (4, 5, 6, 7)),
         ),
+        # JAX 0.10.2's XLA: the same devices as an iota ([2,4] transposed), a size-1 axis between
+        (
+            "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) "
+            "{'axis_0'}",
+            ((0, 1, 2, 3), (4, 5, 6, 7)),
+        ),
+        (
+            "replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=2], device_ids=([2,4]T(1,0)) "
+            "{'axis_2'}",
+            ((0, 4), (1, 5), (2, 6), (3, 7)),
+        ),
         ("dimensions={0}", None),
     ],
 )

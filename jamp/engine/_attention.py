@@ -23,6 +23,7 @@ sees keys i - W .. i) is read as cuDNN's causal mask type with that window.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 import jax
@@ -130,8 +131,9 @@ def _masks(attn: Attn, roles_order, full_sizes):
         else:
             hidden.append(_to_bnts(h, roles_order, full_sizes, np))
     if known:
-        # numpy 2.5's stubs read as Python 3.11 match no overload of reduce for any array
-        both = np.logical_and.reduce(np.broadcast_arrays(*known)) if len(known) > 1 else known[0]  # type: ignore[call-overload]
+        # (pairwise, not `np.logical_and.reduce`: numpy 2.5's stubs read as Python 3.11 match no
+        # overload of reduce for any array, and 2.4's match it)
+        both = functools.reduce(np.logical_and, known)
         # Constants come compressed (size 1 along the axes they are constant on; see
         # `_attention_scope.Scope`), and the mask stays so: [1, 1, T, S] for a batch of them.
         combined = _to_bnts(both, roles_order, full_sizes, np)
@@ -149,7 +151,7 @@ def _masks(attn: Attn, roles_order, full_sizes):
             hidden.append(np.logical_not(combined))
             mask = jnp.asarray(combined) if mask is None else jnp.logical_and(mask, combined)
     if not causal and hidden:
-        both = np.logical_or.reduce(np.broadcast_arrays(*hidden)) if len(hidden) > 1 else hidden[0]  # type: ignore[call-overload]
+        both = functools.reduce(np.logical_or, hidden)
         causal = _covers_upper(both, t, s)
     return mask, causal, window
 

@@ -147,8 +147,9 @@ class Scope:
             for o, v in zip(eqn.outvars, body.outvars):
                 self.memo[o] = body.scope.concrete(v)
             return self.memo[atom]
-        ins = [self.concrete(v) for v in eqn.invars]
-        if any(x is None for x in ins):
+        found = [self.concrete(v) for v in eqn.invars]
+        ins = [x for x in found if x is not None]
+        if len(ins) != len(found):
             return None
         try:
             outs = self._compressed(eqn, ins)
@@ -326,8 +327,9 @@ class Scope:
         if len(eqn.outvars) != 1:
             return None
         if name == "select_n":  # whichever case the predicate picks
-            cases = [self.values(v) for v in eqn.invars[1:]]
-            return None if any(c is None for c in cases) else _few(np.unique(np.concatenate(cases)))
+            found = [self.values(v) for v in eqn.invars[1:]]
+            cases = [c for c in found if c is not None]
+            return None if len(cases) != len(found) else _few(np.unique(np.concatenate(cases)))
         if _layout_only(name):
             return self.values(eqn.invars[0])
         if name not in _ELEMENTWISE:

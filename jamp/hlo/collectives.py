@@ -50,9 +50,13 @@ _PASS_THROUGH = frozenset(
 )
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+# The device ids of a named mesh: listed (0,4,1,5,...) or, from JAX 0.10.2's XLA, as an iota
+# ([2,4]T(1,0): 0..7 laid out [2,4], transposed (1,0), read row-major).
 _GROUPS_MESH = re.compile(
-    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([\d,\s]*)\))?\s*\{([^}]*)\}"
+    r"replica_groups=mesh\[([^\]]*)\]"
+    r"(?:,\s*device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?|[\d,\s]*)\))?\s*\{([^}]*)\}"
 )
+_IOTA_IDS = re.compile(r"\[([\d,]+)\](?:T\(([\d,]+)\))?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,18 +111,31 @@ def _axis_groups(
     return tuple(tuple(int(i) for i in row) for row in rows)
 
 
+def _device_ids(text: str) -> list[int]:
+    """A named mesh's device ids, row-major: listed (0,4,1,5) or an iota ([2,4]T(1,0))."""
+    m = _IOTA_IDS.fullmatch(text.strip())
+    if not m:
+        return [int(d) for d in re.findall(r"\d+", text)]
+    dims = [int(d) for d in m.group(1).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(2):
+        ids = ids.transpose([int(d) for d in m.group(2).split(",")])
+    return [int(i) for i in ids.reshape(-1)]
+
+
 def replica_groups(attributes: str) -> Optional[tuple[tuple[int, ...], ...]]:
     """The device groups of a collective's `replica_groups=` ({{0,1},{2,3}}, the iota form
     [2,2]<=[4] / [2,4]<=[4,2]T(1,0), or the named form mesh['data'=2,'fsdp'=4] {'fsdp'}, its
-    devices in order or listed: mesh['axis_0'=4,'axis_1'=2], device_ids=(0,4,1,5,...)
-    {'axis_0'}, as JAX 0.10's XLA writes it); None when it has none."""
+    devices in order, listed or an iota: mesh['axis_0'=4,'axis_1'=2], device_ids=(0,4,1,5,...)
+    {'axis_0'} or device_ids=([2,4]T(1,0)), as JAX 0.10's XLA writes it); None when it has
+    none."""
     m = _GROUPS_MESH.search(attributes)
     if m:
         axes = re.findall(r"'?(\w+)'?\s*=\s*(\d+)", m.group(1))
         names = [n for n, _ in axes]
         chosen = re.findall(r"'?(\w+)'?", m.group(3))
         subset = [names.index(n) for n in chosen if n in names]
-        listed = [int(d) for d in re.findall(r"\d+", m.group(2))] if m.group(2) else None
+        listed = _device_ids(m.group(2)) if m.group(2) else None
         return _axis_groups([int(s) for _, s in axes], subset, listed)
     m = _GROUPS_IOTA.search(attributes)
     if m:

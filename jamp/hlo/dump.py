@@ -21,7 +21,9 @@ def compile_dumped(lowered, options: Optional[dict[str, Any]] = None, keep=None)
     import jax  # here: only a compile needs it
     from jax.experimental.compilation_cache import compilation_cache
 
-    cached = jax.config.jax_enable_compilation_cache
+    from jamp import jax_compat
+
+    cached = jax_compat.config_value("jax_enable_compilation_cache")
     with tempfile.TemporaryDirectory() as where:
         # A dump folder the caller names (options' xla_dump_to) is where XLA writes: what this
         # compile adds to it is read, and it keeps the files.

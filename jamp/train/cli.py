@@ -75,8 +75,8 @@ _COMPILE_FOR = flags.DEFINE_string(
     "Compile the recipe's train step for a GPU target instead of training (h100, h200, b200; "
     "xN GPUs per host, e.g. h200x8; 'Mx h200x8' for M hosts): print its memory per device, "
     "GEMMs, attention and collectives, whether it fits, and the largest global batch that does. "
-    "Nothing is allocated, no data is read; needs JAX's CUDA plugin (pip install "
-    "'jamp-jax[gpu-compile]'), not a GPU.",
+    "Nothing is allocated, no data is read; needs JAX's CUDA plugin (in a checkout of jamp: "
+    "pip install -e '.[gpu-compile]'), not a GPU.",
 )
 _SEARCH_BATCH = flags.DEFINE_bool(
     "search_batch", True, "With --compile_for: search the largest global batch that fits."
@@ -235,6 +235,9 @@ def _initialize_distributed() -> None:
         jax.distributed.initialize(**given)
     except Exception as e:  # bad or missing settings, or no coordinator within JAX's time-out
         _fail(f"cannot join the multi-process run: {_one_line(e)}")
+    # The backends start here (the cache check asks for the process count): without the CUDA
+    # plugin's log where there is no GPU, as main() starts them in a single-process run.
+    _startup.start_backends()
     _keep_off_the_compilation_cache()
 
 
@@ -246,8 +249,9 @@ def _keep_off_the_compilation_cache() -> None:
 
     from jamp import jax_compat
 
-    cache = jax.config.jax_compilation_cache_dir
-    if not (cache and jax.config.jax_enable_compilation_cache and jax.process_count() > 1):
+    cache = jax_compat.config_value("jax_compilation_cache_dir")
+    enabled = jax_compat.config_value("jax_enable_compilation_cache")
+    if not (cache and enabled and jax.process_count() > 1):
         return
     if jax.default_backend() != "cpu" or not jax_compat.cached_cpu_collectives_hang():
         return
