@@ -1,5 +1,7 @@
-"""jamp.train.data: offline digits and pydoc, mocked tfds datasets, offline errors, synthetic data."""
+"""jamp.train.data: offline digits and pydoc (with and without TensorFlow), mocked tfds datasets,
+offline errors, synthetic data."""
 
+import io
 import itertools
 import os
 import subprocess
@@ -143,6 +145,84 @@ def test_train_batches_resume_where_an_uninterrupted_run_would_be(digits_dir):
     for a, b in zip(uninterrupted, resumed):
         np.testing.assert_array_equal(a["image"], b["image"])
         np.testing.assert_array_equal(a["label"], b["label"])
+
+
+def test_digits_png_encoding_is_lossless_grayscale():
+    from PIL import Image
+
+    image = np.arange(64, dtype=np.uint8).reshape(8, 8, 1) * 4
+    with Image.open(io.BytesIO(digits_module.encode_png(image))) as decoded:
+        assert decoded.mode == "L" and decoded.format == "PNG"
+        np.testing.assert_array_equal(np.asarray(decoded), image[..., 0])
+
+
+def test_writing_digits_says_nothing_is_downloaded(tmp_path, capsys):
+    prepare_digits(str(tmp_path))
+    captured = capsys.readouterr()
+    err = [line for line in captured.err.splitlines() if "jamp_digits" in line]
+    assert err == [
+        f"writing dataset 'jamp_digits' to {tmp_path} from scikit-learn's copy of the digits; "
+        "nothing is downloaded (once: later runs reuse it)"
+    ]
+    assert "Downloading" not in captured.out + captured.err  # tfds's "Unknown size" line
+    assert "downloaded and prepared" not in captured.out + captured.err
+
+
+# Hides TensorFlow from the interpreter as if it were not installed (tfds asks importlib, so an
+# entry of None in sys.modules would not do): what the `train` extra, without `train-tf`, is.
+_WITHOUT_TENSORFLOW = """
+import importlib.machinery, sys
+
+class _NoTensorFlow(importlib.machinery.PathFinder):
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.partition(".")[0] == "tensorflow":
+            return None
+        return super().find_spec(name, path, target)
+
+sys.meta_path[:] = [
+    _NoTensorFlow if f is importlib.machinery.PathFinder else f for f in sys.meta_path
+]
+"""
+
+
+def test_digits_and_pydoc_are_written_and_read_without_tensorflow(tmp_path):
+    data_dir = str(tmp_path / "without_tf")
+    code = _WITHOUT_TENSORFLOW + (
+        "import importlib.util\n"
+        "from jamp.train.data import DataConfig, get_dataset, prepare\n"
+        "assert importlib.util.find_spec('tensorflow') is None\n"
+        "for name in ('digits', 'pydoc'):\n"
+        f"    prepare(name, {data_dir!r})\n"
+        f"    cfg = DataConfig(name, batch_size=8, data_dir={data_dir!r}, seq_len=16)\n"
+        "    ds = get_dataset(cfg, 8)\n"
+        "    shapes = [v.shape for v in next(ds.train_batches()).values()]\n"
+        "    print(name, ds.info.num_train_examples, ds.info.num_eval_examples, *shapes)\n"
+        "print(sorted(m for m in sys.modules if m.partition('.')[0] == 'tensorflow'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    digits_line, pydoc_line, tensorflow = out.stdout.splitlines()
+    assert digits_line == "digits 1497 300 (8, 8, 8, 1) (8,)"
+    assert pydoc_line.startswith("pydoc ") and pydoc_line.endswith(" (8, 17)")
+    assert tensorflow == "[]"
+
+
+@pytest.mark.skipif(
+    not tfds_sources.tensorflow_installed(), reason="tfds encodes numpy images with TensorFlow"
+)
+def test_digits_written_with_pillow_read_as_those_tensorflow_encoded(tmp_path, monkeypatch):
+    # Directories prepared before Pillow encoded the digits hold TensorFlow's PNGs: given a numpy
+    # image, tfds encodes it with TensorFlow. Both read the same, in the same order.
+    pillow = _digits(prepare_digits(str(tmp_path / "pillow")), batch_size=300, num_devices=1)
+    monkeypatch.setattr(digits_module, "encode_png", lambda image: image)
+    tensorflow = _digits(prepare_digits(str(tmp_path / "tf")), batch_size=300, num_devices=1)
+    for ours, theirs in [
+        (next(pillow.train_batches(7)), next(tensorflow.train_batches(7))),
+        *zip(pillow.eval_batches(), tensorflow.eval_batches()),
+    ]:
+        for key in ours:
+            np.testing.assert_array_equal(ours[key], theirs[key])
 
 
 def test_cli_prepares_digits(digits_dir, capsys):
@@ -303,6 +383,7 @@ def test_absent_dataset_offline_fails_fast_before_downloading(tmp_path, monkeypa
         raise AssertionError("tried to download although the hosts are unreachable")
 
     monkeypatch.setattr(tfds_sources.socket, "create_connection", offline)
+    monkeypatch.setattr(tfds_sources, "tensorflow_installed", lambda: True)  # with train-tf
     monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", must_not_run)
     start = time.perf_counter()
     with pytest.raises(DataError, match="unreachable") as error:
@@ -316,10 +397,41 @@ def test_a_failing_download_becomes_a_one_line_error(tmp_path, monkeypatch):
         raise requests.exceptions.ConnectionError("Max retries exceeded\nwith url: ...")
 
     monkeypatch.setattr(tfds_sources, "unreachable_host", lambda urls: None)
+    monkeypatch.setattr(tfds_sources, "tensorflow_installed", lambda: True)  # with train-tf
     monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", network_down)
     with pytest.raises(DataError, match="downloading it failed") as error:
         get_dataset(DataConfig("fashion_mnist", batch_size=8, data_dir=str(tmp_path)), DEVICES)
     _assert_one_line_naming(error, "fashion_mnist", str(tmp_path))
+
+
+def test_preparing_a_catalogue_dataset_without_tensorflow_names_the_extra(tmp_path, monkeypatch):
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("tried to prepare without TensorFlow")
+
+    monkeypatch.setattr(tfds_sources, "tensorflow_installed", lambda: False)
+    monkeypatch.setattr(tfds_sources, "unreachable_host", must_not_run)
+    monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", must_not_run)
+    with pytest.raises(DataError) as error:
+        get_dataset(DataConfig("cifar10", batch_size=8, data_dir=str(tmp_path)), DEVICES)
+    assert str(error.value) == (
+        f"dataset 'cifar10' is not prepared in {tmp_path}, and tfds needs TensorFlow to prepare "
+        f"it (not to read it): pip install -e '.[train-tf]' in a checkout of jamp, or copy a "
+        f"prepared "
+        f"{tmp_path}/cifar10 here"
+    )
+
+
+def test_a_module_missing_while_preparing_names_the_extra_to_install(tmp_path, monkeypatch):
+    def no_sklearn(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'sklearn'", name="sklearn")
+
+    monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", no_sklearn)
+    with pytest.raises(DataError) as error:
+        prepare_digits(str(tmp_path))
+    assert str(error.value) == (
+        "preparing dataset 'jamp_digits' needs the module sklearn: pip install -e '.[train]' in a "
+        "checkout of jamp"
+    )
 
 
 def test_probe_reports_the_host_that_refuses(monkeypatch):
@@ -338,6 +450,10 @@ def test_probe_reports_the_host_that_refuses(monkeypatch):
     assert tried == [("a.example", 443), ("b.example", 80)]
 
 
+@pytest.mark.skipif(
+    not tfds_sources.tensorflow_installed(),
+    reason="tfds writes tfrecord with TensorFlow (train-tf)",
+)
 def test_dataset_stored_as_tfrecord_is_a_data_error(tmp_path):
     builder = tfds.builder(digits_module.NAME, data_dir=str(tmp_path))  # tfds writes tfrecord
     builder.download_and_prepare(

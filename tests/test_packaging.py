@@ -53,7 +53,7 @@ def test_packaging_sdist_and_wheel_pass_the_index_metadata_check(dist):
     assert meta["Name"] == "jamp-jax" and meta["License-Expression"] == "Apache-2.0"
     assert "jamp/py.typed" in names and "jamp/train/__main__.py" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
-    assert {"train", "gpu-compile", "docs"} <= set(meta.get_all("Provides-Extra"))
+    assert {"train", "train-tf", "gpu-compile", "docs"} <= set(meta.get_all("Provides-Extra"))
 
 
 @pytest.fixture(scope="module")

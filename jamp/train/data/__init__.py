@@ -2,7 +2,8 @@
 
 Only the training program imports this package (the library never does). `import jamp.train.data`
 costs numpy and grain; tensorflow_datasets is imported when a tfds dataset is opened, and
-TensorFlow only when one has to be prepared.
+TensorFlow (the `train-tf` extra) only when a dataset of tfds's catalogue has to be prepared: the
+offline "digits" and "pydoc" are written and read without it.
 
     ds = jamp.train.data.get_dataset(DataConfig("digits", batch_size=64), jax.local_device_count())
     for step, batch in zip(range(start, steps), ds.train_batches(start)): ...

@@ -3,11 +3,18 @@
 scikit-learn ships the 1,797 8x8 digits (UCI "optdigits" test set, pixel counts 0..16) inside its
 wheel, so this dataset builds without any network. It is an ordinary `GeneratorBasedBuilder`
 written in `array_record`, so that it is read through exactly the same `tfds` random-access path as
-MNIST or CIFAR-10; only *preparing* it needs TensorFlow (tfds encodes the PNGs with it).
+MNIST or CIFAR-10. Neither writing nor reading it needs TensorFlow: the examples are handed to tfds
+as PNG bytes that Pillow encodes (given a numpy image, tfds would encode it with TensorFlow), and
+tfds decodes them with Pillow. The PNG bytes differ from TensorFlow's, the pixels do not: a
+directory prepared either way reads the same.
 """
+
+import io
 
 import numpy as np
 import tensorflow_datasets as tfds
+
+from jamp.train.data.tfds_sources import LocalBuilder
 
 NAME = "jamp_digits"
 NUM_TEST_PER_CLASS = 30  # 300 test examples, 30 of each digit; the other 1,497 train
@@ -36,10 +43,20 @@ def split_indices(labels: np.ndarray) -> dict[str, np.ndarray]:
     return {"train": train, "test": test}
 
 
-class Digits(tfds.core.GeneratorBasedBuilder):
+def encode_png(image: np.ndarray) -> bytes:
+    """A uint8 (H, W, 1) image as PNG bytes (8-bit grayscale, mode "L"), encoded with Pillow."""
+    from PIL import Image  # only preparing encodes
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(image[..., 0], dtype=np.uint8)).save(buffer, "png")
+    return buffer.getvalue()
+
+
+class Digits(LocalBuilder):
     """scikit-learn's 8x8 handwritten digits, split 1,497 train / 300 test (stratified)."""
 
     name = NAME
+    SOURCE = "scikit-learn's copy of the digits"
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES = {"1.0.0": "First release: 8x8x1 uint8 images, 10 classes, train and test."}
 
@@ -70,4 +87,4 @@ class Digits(tfds.core.GeneratorBasedBuilder):
 
     def _generate_examples(self, images, labels, indices):
         for i in indices:  # the key is the index in scikit-learn's array: stable and unique
-            yield int(i), {"image": images[i], "label": int(labels[i])}
+            yield int(i), {"image": encode_png(images[i]), "label": int(labels[i])}

@@ -5,7 +5,8 @@ language topics (about 465 KB of English prose and Python snippets in 79 topics,
 so this dataset builds without any network, like "digits". It is an ordinary
 `GeneratorBasedBuilder` written in `array_record`, read through the same `tfds` random-access path
 as tiny_shakespeare and served the same way: each split's texts joined into one stream of UTF-8
-bytes, cut into windows of `seq_len + 1` byte tokens. Only *preparing* it needs TensorFlow.
+bytes, cut into windows of `seq_len + 1` byte tokens. Neither writing nor reading it needs
+TensorFlow.
 
 The split is by topic (no topic is in both), about 90 % / 10 % of the bytes, and a pure function of
 the topic names and sizes. The text is that of the Python that prepares the dataset; CPython's
@@ -16,6 +17,8 @@ import hashlib
 import platform
 
 import tensorflow_datasets as tfds
+
+from jamp.train.data.tfds_sources import LocalBuilder
 
 NAME = "jamp_pydoc"
 TEST_FRACTION = 0.1  # at most this share of the bytes goes to test, whole topics only
@@ -51,10 +54,11 @@ def split_topics(topics: dict[str, str]) -> dict[str, list[str]]:
     return {"train": sorted(train), "test": sorted(test)}
 
 
-class Pydoc(tfds.core.GeneratorBasedBuilder):
+class Pydoc(LocalBuilder):
     """CPython's pydoc topic help texts, one example per topic, split by topic ~90/10 by bytes."""
 
     name = NAME
+    SOURCE = "this Python's pydoc help texts"
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES = {"1.0.0": "First release: {'topic', 'text'} per topic, train and test."}
 

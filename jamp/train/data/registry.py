@@ -12,7 +12,7 @@ def _digits(cfg: DataConfig) -> Splits:
 
     data_dir = resolve_data_dir(cfg.data_dir)
     builder, sources = tfds_sources.open_splits(
-        digits.NAME, ["train", "test"], data_dir, cfg.download, needs_network=False
+        digits.NAME, ["train", "test"], data_dir, cfg.download
     )
     return _image_splits(builder, sources["train"], sources["test"])
 
@@ -42,16 +42,14 @@ def _image_splits(builder, train, eval_) -> Splits:
 def _pydoc(cfg: DataConfig) -> Splits:
     from jamp.train.data import pydoc_topics  # defines the builder before tfds looks it up
 
-    return _tfds_text(pydoc_topics.NAME, "test", cfg, needs_network=False)
+    return _tfds_text(pydoc_topics.NAME, "test", cfg)
 
 
-def _tfds_text(name: str, eval_split: str, cfg: DataConfig, needs_network: bool = True) -> Splits:
+def _tfds_text(name: str, eval_split: str, cfg: DataConfig) -> Splits:
     from jamp.train.data import tfds_sources
 
     data_dir = resolve_data_dir(cfg.data_dir)
-    _, sources = tfds_sources.open_splits(
-        name, ["train", eval_split], data_dir, cfg.download, needs_network=needs_network
-    )
+    _, sources = tfds_sources.open_splits(name, ["train", eval_split], data_dir, cfg.download)
     windows = {}
     for split, source in sources.items():
         tokens = tfds_sources.text_bytes(source)
@@ -211,8 +209,9 @@ def shapes(cfg: DataConfig) -> DatasetInfo:
 def prepare(name: str, data_dir: str | None = None) -> str:
     """Downloads (if needed) and prepares dataset `name` for offline use; returns its data_dir.
 
-    For tfds datasets this needs the network and TensorFlow; "digits" and "pydoc" need no network,
-    only TensorFlow (and scikit-learn for "digits"). Synthetic datasets need nothing.
+    For the datasets of tfds's catalogue this needs the network and TensorFlow (the `train-tf`
+    extra); "digits" and "pydoc" need neither (scikit-learn and Pillow for "digits", from the
+    `train` extra). Synthetic datasets need nothing.
     """
     if name not in DATASETS:
         raise DataError(f"unknown dataset '{name}': known datasets are {', '.join(DATASETS)}")

@@ -2,7 +2,10 @@
 
 Every tfds dataset, the bundled "digits" included, is opened by `open_splits`: a builder in
 `array_record` format (the format with random access; tfds writes `tfrecord` unless told), prepared
-if needed, then `builder.as_data_source(split)`, which reads without TensorFlow.
+if needed, then `builder.as_data_source(split)`, which reads without TensorFlow (images decode with
+Pillow). jamp's own builders (`LocalBuilder`: digits, pydoc) also *write* without TensorFlow; the
+builders of tfds's catalogue encode their examples with it, so preparing those needs the
+`train-tf` extra, and its absence is a one-line `DataError` that names the extra.
 
 Offline, tfds would retry each download URL ten times with exponential backoff (minutes per URL)
 and, on a network that drops packets, wait without a timeout. So before downloading we check that
@@ -10,6 +13,7 @@ every host in the builder's URL list accepts a TCP connection within a few secon
 failed check or a failed download into a one-line `DataError`.
 """
 
+import importlib.util
 import socket
 import sys
 import urllib.parse
@@ -24,6 +28,27 @@ from jamp.train.data.config import DataError
 
 FILE_FORMAT = "array_record"
 PROBE_TIMEOUT_S = 3.0
+# What to install for what: the program's dependencies, and those plus TensorFlow (from a
+# checkout: jamp-jax is not released yet).
+TRAIN_EXTRA = "pip install -e '.[train]' in a checkout of jamp"
+TF_EXTRA = "pip install -e '.[train-tf]' in a checkout of jamp"
+
+
+class LocalBuilder(tfds.core.GeneratorBasedBuilder):  # abstract: tfds does not register it
+    """A tfds builder of data that is on this machine already: nothing is downloaded.
+
+    tfds's "Downloading and preparing dataset Unknown size ..." and "... downloaded and prepared"
+    lines would say otherwise, so they are left out; `open_splits` prints one line instead, built
+    from `SOURCE`. Subclasses must write without TensorFlow (encode images with Pillow).
+    """
+
+    SOURCE = "local data"  # where the examples come from, for the line printed when writing
+
+    def _log_download_bytes(self) -> None:
+        pass
+
+    def _log_download_done(self) -> None:
+        pass
 
 
 def how_to_provide(name: str, data_dir: str) -> str:
@@ -32,9 +57,15 @@ def how_to_provide(name: str, data_dir: str) -> str:
             f"run `python -m jamp.train.data {name[5:]} --data_dir={data_dir}` (no network needed)"
         )
     return (
-        f"run `python -m jamp.train.data {name} --data_dir={data_dir}` on a machine with network (and "
-        f"copy {data_dir}/{name} here), or set --config.data_dir to a directory that holds it"
+        f"run `python -m jamp.train.data {name} --data_dir={data_dir}` on a machine with network "
+        f"and jamp's train-tf extra (and copy {data_dir}/{name} here), or set --config.data_dir to a "
+        "directory that holds it"
     )
+
+
+def tensorflow_installed() -> bool:
+    """Whether TensorFlow can be imported (without importing it), as tfds's catalogue needs."""
+    return importlib.util.find_spec("tensorflow") is not None
 
 
 def unreachable_host(urls: Iterable[str], timeout: float = PROBE_TIMEOUT_S) -> str | None:
@@ -71,28 +102,43 @@ def _make_builder(name: str, data_dir: str):
         ) from e
 
 
-def _prepare(builder, name: str, data_dir: str, download: bool, needs_network: bool) -> None:
+def _prepare(builder, name: str, data_dir: str, download: bool) -> None:
     """Runs `download_and_prepare`, unless that would hang or is not allowed: then DataError."""
     absent = f"dataset '{name}' is not prepared in {data_dir}"
-    if needs_network:
+    local = isinstance(builder, LocalBuilder)
+    if not local:
         if not download:
             raise DataError(f"{absent} and download=False: {how_to_provide(name, data_dir)}")
+        if not tensorflow_installed():  # checked first: it needs no network
+            raise DataError(
+                f"{absent}, and tfds needs TensorFlow to prepare it (not to read it): "
+                f"{TF_EXTRA}, or copy a prepared {data_dir}/{name} here"
+            )
         host = unreachable_host((builder.url_infos or {}).keys())
         if host is not None:
             raise DataError(
                 f"{absent} and cannot be downloaded offline ({host} is unreachable): "
                 f"{how_to_provide(name, data_dir)}"
             )
-    config = tfds.download.DownloadConfig(try_download_gcs=needs_network)
     # One line instead of tfds's per-split progress bars: this happens once per data_dir.
-    print(f"preparing dataset '{name}' in {data_dir} (once; later runs reuse it)", file=sys.stderr)
+    if local:
+        print(
+            f"writing dataset '{name}' to {data_dir} from {builder.SOURCE}; nothing is "
+            "downloaded (once: later runs reuse it)",
+            file=sys.stderr,
+        )
+    else:
+        print(
+            f"preparing dataset '{name}' in {data_dir} (once; later runs reuse it)", file=sys.stderr
+        )
     tfds.disable_progress_bar()
     try:
-        builder.download_and_prepare(download_config=config)
-    except ModuleNotFoundError as e:  # tfds encodes the examples with TensorFlow
-        raise DataError(
-            f"preparing dataset '{name}' needs the module {e.name}: pip install tensorflow-cpu"
-        ) from e
+        builder.download_and_prepare(
+            download_config=tfds.download.DownloadConfig(try_download_gcs=not local)
+        )
+    except ModuleNotFoundError as e:  # e.g. scikit-learn for digits, TensorFlow for the others
+        install = TF_EXTRA if (e.name or "").startswith("tensorflow") else TRAIN_EXTRA
+        raise DataError(f"preparing dataset '{name}' needs the module {e.name}: {install}") from e
     except (OSError, tfds.download.DownloadError) as e:  # requests' errors are OSErrors
         reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
         raise DataError(
@@ -101,11 +147,7 @@ def _prepare(builder, name: str, data_dir: str, download: bool, needs_network: b
 
 
 def open_splits(
-    name: str,
-    splits: Sequence[str],
-    data_dir: str,
-    download: bool,
-    needs_network: bool = True,
+    name: str, splits: Sequence[str], data_dir: str, download: bool
 ) -> tuple[Any, dict[str, Sequence[dict[str, Any]]]]:
     """The builder of tfds dataset `name` and a random-access source per split.
 
@@ -113,15 +155,15 @@ def open_splits(
       name: the tfds name.
       splits: the split names to open.
       data_dir: the tfds data directory, resolved.
-      download: allow preparing a dataset that needs the network.
-      needs_network: False for datasets generated locally (digits): prepared without a check.
+      download: allow preparing a dataset that needs the network (a `LocalBuilder`'s, generated
+        on this machine, is prepared regardless).
 
     Raises:
       DataError: unknown name, absent and not downloadable, or stored in the wrong format.
     """
     builder = _make_builder(name, data_dir)
     if not builder.is_prepared():
-        _prepare(builder, name, data_dir, download, needs_network)
+        _prepare(builder, name, data_dir, download)
     return builder, {split: builder.as_data_source(split=split) for split in splits}
 
 
