@@ -19,6 +19,9 @@ import pytest
 import subproc
 from subproc import xla_flags
 
+# The first crashed worker (or a test past its time limit) stops the whole run, naming the test.
+pytest_plugins = ["failfast"]
+
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="jamp-tests-jax-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
@@ -58,7 +61,7 @@ def pytest_collection_modifyitems(config, items):
         why = "the CUDA plugin finds no cuDNN"
     else:
         return
-    skip = pytest.mark.skip(reason=f"{why} (pip install 'jamp-jax[gpu-compile]')")
+    skip = pytest.mark.skip(reason=f"{why} (from a checkout: pip install -e '.[gpu-compile]')")
     for item in marked:
         item.add_marker(skip)
 
