@@ -25,9 +25,8 @@ DIFFERENT = {
     _CASE + "test_dynamic_loss_scale_raises_type_error_on_int_min_loss_scale": "the scale is fp32",
     # Three leaves: hysteresis_left beside loss_scale and counter.
     _CASE + "test_dynamic_loss_scale_tree": "one more leaf",
-    # min_loss_scale=0 and StaticLossScale(0) are errors saying what is accepted.
-    _CASE
-    + "test_dynamic_loss_scale_explicit_min_loss_scale2 (5.0, 2.0, 0.0)": "bad settings are errors",
+    # StaticLossScale(0) is an error saying what is accepted (min_loss_scale=0 is jmp's "no
+    # floor" and is accepted: the scale stops at float32's smallest normal instead).
     _CASE + "test_static_empty_trees_StaticLossScale": "bad settings are errors",
     # A non-scalar predicate is a ValueError saying what select_tree takes, not an assert.
     _CASE + "test_select_tree_rejects_non_scalar": "bad settings are errors",
