@@ -176,26 +176,15 @@ def ladder(compute_dtype, *, bf16_fast: Optional[bool] = None) -> tuple[np.dtype
 
 
 def site_module(site: str, modules: Sequence[str]) -> str:
-    """The module an fp8 site (`jamp.fp8.site_name`: "TransformerLM/DecoderBlock_0/Dense_0/
-    dot_general_1") belongs to: the longest of `modules` whose path appears in its scope
-    ("DecoderBlock_0/Dense_0"; the scope may go on inside the module: `einsum/...`, a user's
-    `named_scope`); "" (the model itself) when none does. A module whose scope name repeats on
-    the stack (`nn.SelfAttention` re-enters its own `__call__`:
-    "LM/Block_0/SelfAttention_0/SelfAttention_0/query/dot_general") is found by its params path
-    ("Block_0/SelfAttention_0/query") all the same."""
-    raw = site.split("/")[:-1]
-    once = [p for i, p in enumerate(raw) if not i or p != raw[i - 1]]  # repeats collapsed
-
-    def within(module: str) -> bool:
-        parts = module.split("/")
-        return any(
-            scope[i : i + len(parts)] == parts
-            for scope in (raw, once)
-            for i in range(len(scope) - len(parts) + 1)
-        )
-
-    found = [m for m in modules if m and within(m)]
-    return max(found, key=lambda m: m.count("/")) if found else ""
+    """The module an fp8 site belongs to: the site's name is its module's params path
+    (`jamp.fp8.site_name`: "Block_0/SelfAttention_0/query/dot_general_1"), that module where
+    `modules` holds it, else the nearest of `modules` enclosing it; "" (the model itself) when
+    none does ("dot_general": the model's own matmul; a site of `jamp.autocast`'s scopes)."""
+    parts = site.split("/")[:-1]
+    for end in range(len(parts), 0, -1):
+        if "/".join(parts[:end]) in modules:
+            return "/".join(parts[:end])
+    return ""
 
 
 def saturated(

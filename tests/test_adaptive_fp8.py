@@ -60,7 +60,7 @@ def test_a_site_clipped_on_k_of_n_steps_moves_to_bfloat16_alone_and_the_state_fo
     params = model.init(jax.random.key(0), x, jnp.float32(1.0))["params"]
     tx = optax.sgd(1e-3)
     f8 = fp8.init_state(loss_fn, params, {}, _batch(x, 0), jax.random.key(0), history=4)
-    assert sorted(f8.sites) == ["Grows/grows/dot_general", "Grows/steady/dot_general"]
+    assert sorted(f8.sites) == ["grows/dot_general", "steady/dot_general"]
     state = jamp.TrainState.create(params, tx, fp8_state=f8)
     step = jax.jit(jamp.make_train_step(loss_fn, tx))
     assert _fp8_dots(loss_fn, params, x) == 5
@@ -80,9 +80,9 @@ def test_a_site_clipped_on_k_of_n_steps_moves_to_bfloat16_alone_and_the_state_fo
         if t >= 6:
             cstate, decided[t] = ctl.decide(cstate, t)
     # The first step only measures (a fresh state); then `grows` is clipped by 3 each step.
-    assert seen[0]["Grows/grows/dot_general"] == 0.0
-    assert all(r["Grows/grows/dot_general"] == pytest.approx(3.0, rel=1e-3) for r in seen[1:])
-    assert all(r["Grows/steady/dot_general"] < adaptive.SATURATION_LIMIT for r in seen)
+    assert seen[0]["grows/dot_general"] == 0.0
+    assert all(r["grows/dot_general"] == pytest.approx(3.0, rel=1e-3) for r in seen[1:])
+    assert all(r["steady/dot_general"] < adaptive.SATURATION_LIMIT for r in seen)
     assert decided[6] == []  # steps 2-6: 5 clipped steps of the 6 needed
     changes = decided[7]
     assert [(c.module, c.from_dtype, c.to_dtype) for c in changes] == [
@@ -95,9 +95,9 @@ def test_a_site_clipped_on_k_of_n_steps_moves_to_bfloat16_alone_and_the_state_fo
     model, loss_fn, _ = _setup(ctl.overrides(cstate))
     fresh = fp8.init_state(loss_fn, state.params, {}, _batch(x, 0), jax.random.key(0), history=4)
     rebuilt = fp8.carry_over(fresh, state.fp8_state)
-    assert list(rebuilt.sites) == ["Grows/steady/dot_general"]
-    old = state.fp8_state.sites["Grows/steady/dot_general"]
-    jax.tree.map(np.testing.assert_array_equal, rebuilt.sites["Grows/steady/dot_general"], old)
+    assert list(rebuilt.sites) == ["steady/dot_general"]
+    old = state.fp8_state.sites["steady/dot_general"]
+    jax.tree.map(np.testing.assert_array_equal, rebuilt.sites["steady/dot_general"], old)
     assert float(jnp.max(old.amax_history)) > 0  # a real history was carried over
     # steady's forward, input and weight gradients; grows's forward and weight gradient gone
     assert _fp8_dots(loss_fn, state.params, x) == 3
@@ -105,7 +105,7 @@ def test_a_site_clipped_on_k_of_n_steps_moves_to_bfloat16_alone_and_the_state_fo
     step = jax.jit(jamp.make_train_step(loss_fn, tx))
     state, metrics = step(state, _batch(x, 8), jax.random.key(0))
     assert bool(metrics["grads_finite"])
-    assert list(metrics[FP8_SATURATION]) == ["Grows/steady/dot_general"]
+    assert list(metrics[FP8_SATURATION]) == ["steady/dot_general"]
 
 
 def test_saturation_counts_only_for_modules_computing_in_fp8():
@@ -124,21 +124,19 @@ def test_saturation_counts_only_for_modules_computing_in_fp8():
     assert not np.asarray(s.history)[:, 0].any()
 
 
-def test_sites_belong_to_the_longest_module_path_their_scope_ends_with():
+def test_sites_belong_to_the_module_their_name_gives_the_params_path_of():
     modules = ["DecoderBlock_0", "DecoderBlock_0/Dense_0", "blocks/0/mlp_in", "mlp_in"]
-    assert adaptive.site_module("LM/DecoderBlock_0/Dense_0/dot_general_1", modules) == (
+    assert adaptive.site_module("DecoderBlock_0/Dense_0/dot_general_1", modules) == (
         "DecoderBlock_0/Dense_0"
     )
-    assert adaptive.site_module("LM/blocks/0/mlp_in/dot_general", modules) == "blocks/0/mlp_in"
-    assert adaptive.site_module("LM/dot_general", modules) == ""  # the model's own (a tied head)
-    # a scope that goes on inside the module (jnp.einsum's, Tunix's attention projections)
-    tunix = "Llama3/layers/0/attn/k_proj/einsum/BSD,DKH->BSKH/dot_general"
-    assert adaptive.site_module(tunix, ["layers/0/attn", "layers/0/attn/k_proj"]) == (
-        "layers/0/attn/k_proj"
-    )
-    ratios = {"LM/DecoderBlock_0/Dense_0/dot_general": 2.5, "LM/blocks/0/mlp_in/dot_general": 1.9}
+    assert adaptive.site_module("blocks/0/mlp_in/dot_general", modules) == "blocks/0/mlp_in"
+    assert adaptive.site_module("dot_general", modules) == ""  # the model's own (a tied head)
+    # a module not in `modules` (not a candidate): the nearest one enclosing it
+    assert adaptive.site_module("DecoderBlock_0/Dense_1/dot_general", modules) == "DecoderBlock_0"
+    assert adaptive.site_module("encoder/proj/dot_general", modules) == ""  # autocast's scopes
+    ratios = {"DecoderBlock_0/Dense_0/dot_general": 2.5, "blocks/0/mlp_in/dot_general": 1.9}
     assert adaptive.saturated(ratios, modules) == ("DecoderBlock_0/Dense_0",)
-    assert adaptive.saturated({"LM/mlp_in/dot_general": float("nan")}, modules) == ()
+    assert adaptive.saturated({"mlp_in/dot_general": float("nan")}, modules) == ()
 
 
 def test_nnx_fp8_sites_are_named_by_attribute_path():
@@ -150,3 +148,9 @@ def test_nnx_fp8_sites_are_named_by_attribute_path():
     # a wrapped model called inside another's submodule names its own sites
     nested = "jamp_nnx_root(Outer)/jamp_nnx(enc)/jamp_nnx_root(Inner)/dot_general"
     assert scopes.plain(nested) == "Inner/dot_general"
+    # the fp8 site's module: the innermost call scope's attribute path, without the class name
+    stack = "jamp_nnx_root(LM)/jamp_nnx(blocks.0)/jamp_nnx(blocks.0.mlp_in)/einsum/BSD,DF->BSF"
+    assert scopes.nnx_path(stack) == "blocks/0/mlp_in"
+    assert scopes.nnx_path("jamp_nnx_root(LM)/head") == ""  # the model's own
+    assert scopes.nnx_path(nested) == ""  # the inner model's own
+    assert scopes.nnx_path("LM/Dense_0") is None  # linen's scopes: no NNX model's

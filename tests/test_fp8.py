@@ -275,14 +275,14 @@ def _all_dots(closed):
 FLAVORS = ("linen", "nnx")
 NAMES = {
     "linen": {
-        "mlp": "TransformerLM/DecoderBlock_0/Dense_0/dot_general",
-        "attention": "TransformerLM/DecoderBlock_0/MultiHeadDotProductAttention_0",
+        "mlp": "DecoderBlock_0/Dense_0/dot_general",
+        "attention": "DecoderBlock_0/MultiHeadDotProductAttention_0",
         "kernel": ("DecoderBlock_0", "Dense_0", "kernel"),
         "embedding": ("Embed_0", "embedding"),
     },
     "nnx": {
-        "mlp": "TransformerLM/blocks/0/mlp_in/dot_general",
-        "attention": "TransformerLM/blocks/0/attention",
+        "mlp": "blocks/0/mlp_in/dot_general",
+        "attention": "blocks/0/attention",
         "kernel": ("blocks", 0, "mlp_in", "kernel"),
         "embedding": ("embed", "embedding"),
     },
@@ -925,7 +925,7 @@ def test_a_model_applied_twice_has_a_site_per_application():
 
     st = fp8.init_state(loss_fn, params, {}, x, None)
     # (Flax names Dense(4) Dense_0: it is constructed first; Dense(16), the fp8 one, is Dense_1)
-    assert sorted(st.sites) == ["_Mlp/Dense_1/dot_general", "_Mlp/Dense_1/dot_general_1"]
+    assert sorted(st.sites) == ["Dense_1/dot_general", "Dense_1/dot_general_1"]
     state = jamp.TrainState.create(params, optax.sgd(0.0), fp8_state=st)
     state, _ = jax.jit(jamp.make_train_step(loss_fn, optax.sgd(0.0)))(state, x, jax.random.key(0))
     first, second = (state.fp8_state.sites[n].amax_history[0, 0] for n in sorted(st.sites))

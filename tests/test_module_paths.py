@@ -110,16 +110,46 @@ def test_overflow_attribution_names_the_projection_by_its_params_path():
     assert QUERY in found.describe()
 
 
-def test_fp8_site_and_adaptive_attribution_name_the_projection():
+@pytest.mark.parametrize("wrapped", [True, False])
+def test_fp8_site_and_adaptive_attribution_name_the_projection(wrapped):
+    """The fp8 state's key for the query projection's matmul is its params path and
+    `/dot_general`, wrapped or autocast (here inside a loss's own scope), and adaptive
+    precision's decisions name the projection by it."""
+    params = _params()
+    if wrapped:
+        model = jamp.wrap(TinyTransformer(), "mixed_fp8")
+        state = fp8.init_state(lambda p: model.apply({"params": p}, X), params)
+    else:
+
+        def loss(p, x):
+            with jax.named_scope("loss"):  # a scope of the caller's, above the model's root
+                return jnp.mean(TinyTransformer().apply({"params": p}, x) ** 2)
+
+        state = fp8.init_state(jamp.autocast(loss, "mixed_fp8", params_argnums=(0,)), params, X)
+    site = f"{QUERY}/dot_general"
+    assert site in state.sites
+    modules = sorted(_module_paths(params))
+    assert all(s.rpartition("/")[0] in modules for s in state.sites)  # every site: a params path
+    assert adaptive.site_module(site, modules) == QUERY
+    assert adaptive.saturated({site: 2 * adaptive.SATURATION_LIMIT}, modules) == (QUERY,)
+
+
+def test_fp8_sites_named_by_their_former_spelling_map_one_to_one():
+    """A state stored under the former site names (the name stack's: the class name on top,
+    `SelfAttention_0` twice) is restored under the params paths."""
     model = jamp.wrap(TinyTransformer(), "mixed_fp8")
     params = _params()
-    state = fp8.init_state(lambda p: model.apply({"params": p}, X), params)
-    modules = sorted(_module_paths(params))
-    # The site's own name is the name stack's (`jamp.fp8.site_name`, the fp8 state's key);
-    # adaptive precision's decisions name its module by the params path.
-    (site,) = [s for s in state.sites if adaptive.site_module(s, modules) == QUERY]
-    assert site.endswith("/query/dot_general")
-    assert adaptive.saturated({site: 2 * adaptive.SATURATION_LIMIT}, modules) == (QUERY,)
+
+    def run(p):
+        return model.apply({"params": p}, X)
+
+    former = fp8.former_names(run, params)
+    old = "TinyTransformer/Block_0/SelfAttention_0/SelfAttention_0/query/dot_general"
+    assert former[old] == f"{QUERY}/dot_general"
+    state = fp8.init_state(run, params)
+    assert sorted(former.values()) == sorted(state.sites)
+    stored = state.replace(sites={o: state.sites[n] for o, n in former.items()})
+    assert fp8.renamed(stored, former).sites.keys() == state.sites.keys()
 
 
 @pytest.mark.gpu_compile
@@ -147,3 +177,63 @@ def test_compile_for_names_the_projection_by_its_params_path():
     assert QUERY in paths and paths <= modules
     assert "SelfAttention_0/SelfAttention_0" not in plain.table()
     assert "TinyTransformer/" not in plain.table()
+
+
+class _Proj(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(16)(nn.Dense(16, name="proj")(x))  # named like its parent
+
+
+class _Pair(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(16)(nn.Dense(16)(x))
+
+
+class _Lifted(nn.Module):
+    """Modules under lifted transforms, a tied head (`Embed.attend`), a module named like its
+    parent, setup's list of layers, an einsum layer, a user's scope, a raw weight."""
+
+    def setup(self):
+        self.layers = [nn.Dense(16), nn.Dense(16)]
+        self.proj = _Proj()
+        self.pair = nn.remat(_Pair)()
+        self.embed = nn.Embed(10, 16)
+        self.mix = nn.Einsum((16, 16), "btd,df->btf")
+        self.w = self.param("w", nn.initializers.normal(), (16, 16))
+
+    def __call__(self, x):
+        x = self.proj(self.layers[1](self.layers[0](x)))
+        x = self.mix(self.pair(x))
+        with jax.named_scope("mine"):  # a user's scope: no module
+            x = x @ self.w
+        return self.embed.attend(x)
+
+    def encode(self, x):  # its head: proj's Dense_0 (bfloat16)
+        return self.proj(self.layers[1](self.layers[0](x)))
+
+
+@pytest.mark.parametrize("method", [None, "encode"])
+def test_fp8_sites_are_named_by_params_paths_under_lifted_transforms_and_methods(method):
+    model = _Lifted()
+    params = model.init(jax.random.key(0), X)["params"]
+    # the tied head in fp8 too: a site of a method other than __call__ (Embed_0.attend's scope)
+    wrapped = jamp.wrap(model, "mixed_fp8", overrides={"embed": "mixed_fp8"})
+    state = fp8.init_state(lambda p: wrapped.apply({"params": p}, X, method=method), params)
+    if method == "encode":  # a root method's scope ("_Lifted.encode") is the root's
+        want = ["layers_0/dot_general", "layers_1/dot_general", "proj/proj/dot_general"]
+        assert sorted(state.sites) == want
+        return
+    assert sorted(state.sites) == [
+        "dot_general",  # the raw weight's, in the root module itself (under the user's scope)
+        "embed/dot_general",
+        "layers_0/dot_general",
+        "layers_1/dot_general",
+        "mix/dot_general",
+        "pair/Dense_0/dot_general",
+        "pair/Dense_1/dot_general",
+        "proj/Dense_0/dot_general",
+        "proj/proj/dot_general",
+    ]
+    assert {s.rpartition("/")[0] for s in state.sites} <= _module_paths(params)

@@ -93,6 +93,41 @@ def test_train_fp8_resume_is_bit_identical(reference, tmp_path, data_dir):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def _save_named_as_before(workdir, state, names):
+    """A checkpoint of `state` at step EVERY with its fp8 sites renamed by `names`."""
+    sites = {names(name): site for name, site in state.fp8_state.sites.items()}
+    with Checkpointer(workdir / "checkpoints") as ckpt:
+        ckpt.save(EVERY, state.replace(fp8_state=state.fp8_state.replace(sites=sites)))
+
+
+def test_train_fp8_resumes_a_checkpoint_of_the_former_site_names(reference, tmp_path, data_dir):
+    """A checkpoint written when fp8 sites were named by the name stack (the model's class name
+    on top: "TransformerLM/DecoderBlock_0/Dense_0/dot_general") restores under the params
+    paths ("DecoderBlock_0/Dense_0/dot_general"), histories and scales as they were: the run
+    goes on bit-identically. One that names a site this model lacks stops with one line."""
+    workdir, _ = reference
+    state = _restore(workdir, data_dir, EVERY)
+    assert sorted(state.fp8_state.sites)[0] == "DecoderBlock_0/Dense_0/dot_general"
+    resumed = tmp_path / "resumed"
+    _save_named_as_before(resumed, state, lambda name: f"TransformerLM/{name}")
+    out = _smoke("lm_pydoc", resumed, data_dir, *FLAGS)
+    assert f"resuming from the checkpoint at step {EVERY}" in out.stdout
+    want, got = _restore(workdir, data_dir, STEPS), _restore(resumed, data_dir, STEPS)
+    assert got.fp8_state.sites.keys() == want.fp8_state.sites.keys()
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    other = tmp_path / "other"  # one site is no matmul of this model's
+    gone = "TransformerLM/DecoderBlock_0/Dense_9/dot_general"
+    _save_named_as_before(
+        other, state, lambda name: gone if "Dense_1" in name else f"TransformerLM/{name}"
+    )
+    out = _smoke("lm_pydoc", other, data_dir, *FLAGS, check=False)
+    assert out.returncode != 0
+    assert "named as jamp named them before site names were params paths" in out.stderr
+    assert repr(gone) in out.stderr and "Traceback" not in out.stderr
+
+
 def test_the_lm_loss_in_chunks_keeps_the_last_block_in_fp8(data_dir):
     """The LM's loss applies the output head itself, in chunks (jamp.losses), on the model's
     last hidden states: the model's last matmul is then its last block's, not the head, and is

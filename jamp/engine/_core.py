@@ -12,7 +12,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jamp import activations as act
-from jamp import copies, fp8, grouped, jax_compat, mixed_ops, overrides
+from jamp import copies, fp8, grouped, jax_compat, mixed_ops, overrides, scopes
 from jamp.engine import _attention, _broadcast, _guard, _recompute, _repeats
 from jamp.engine import _values as V
 
@@ -56,6 +56,8 @@ class _Ctx:
     fuse_attention: Union[bool, Callable[[str], bool]] = True
     recompute: bool = True  # activation functions recomputed in the backward (`_recompute`)
     sites: dict = dataclasses.field(default_factory=dict, compare=False)
+    # the linen module calls recorded while the program was traced: the fp8 sites' params paths
+    calls: Optional[scopes.LinenCalls] = dataclasses.field(default=None, compare=False)
     # id -> (value, perm): `value` is `transpose(kept, perm)` of a 16-bit array `kept` that the
     # backward pass keeps anyway (a fused attention's output): an fp8 matmul reading `kept`
     # itself (or a reshape of it) keeps it, not an fp8 copy of it (`jamp.fp8.dot_general`)
@@ -182,7 +184,7 @@ def _fp8_dot(eqn, invals, compute_dtype, ctx: _Ctx, placed):
     site = None
     if ctx.stateful:
         stack = "/".join(s for s in (ctx.prefix, str(eqn.source_info.name_stack)) if s)
-        site = fp8.site_name(stack, fp8.site_counts(ctx.sites))
+        site = fp8.site_name(stack, fp8.site_counts(ctx.sites), ctx.calls)
     out_dtype = _matmul_out_dtype(eqn, compute_dtype, ctx)
     dims = jax_compat.param(eqn, "dimension_numbers")
     lhs, rhs = invals
@@ -604,6 +606,7 @@ def eval_jaxpr(
     placed: Optional[Sequence[Optional[mixed_ops.Placed]]] = None,
     head_in_fp8: bool = False,
     fuse_attention: Union[bool, Callable[[str], bool]] = True,
+    calls: Optional[scopes.LinenCalls] = None,
 ):
     """Evaluate `jaxpr` on `args`, with matmuls in the dtype that `compute_for` picks per equation.
 
@@ -626,6 +629,8 @@ def eval_jaxpr(
       head_in_fp8: under fp8 matmuls (`jamp.fp8.MATMUL_MARKER`), whether the program's last
         matmul (a model's output head) is fp8 too; by default it inherits bfloat16 (in
         `jamp.fp8.head_outside`, the program has no head: it is fp8).
+      calls: the linen module calls recorded while `jaxpr` was traced, which name its fp8 sites
+        by their modules' params paths (`jamp.fp8.site_name`).
 
     Returns:
       The list of output values, in the dtypes the program was traced with.
@@ -633,7 +638,7 @@ def eval_jaxpr(
     head = None if head_in_fp8 or fp8.head_is_outside() else V.last_dot(jaxpr)
     form = act.resolve(activations)
     act.note(form, compute_dtype)
-    ctx = _Ctx(compute_for, form == "compute", head, fuse_attention=fuse_attention)
+    ctx = _Ctx(compute_for, form == "compute", head, fuse_attention=fuse_attention, calls=calls)
     outs, _ = _eval(jaxpr, consts, args, compute_dtype, ctx, weak, placed)
     # A literal output (e.g. a constant returned by an inlined jit) comes back as an array.
     return [

@@ -199,7 +199,8 @@ def rewrite(
         arrays = [leaf for leaf, t in zip(leaves, traced) if t]
         weak = [w for w, t in zip(weak_leaves, traced) if t]
         placed = [p for p, t in zip(placed_leaves, traced) if t]
-        with _cudnn_attention_traced_in_xla_form(compute_dtype, fuse_attention):
+        calls = scopes.LinenCalls()  # which params path each linen module's scopes stand for
+        with calls.recording(), _cudnn_attention_traced_in_xla_form(compute_dtype, fuse_attention):
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
         form = act.resolve(activations)
         act.note(form, compute_dtype)
@@ -219,6 +220,7 @@ def rewrite(
             placed=placed,
             head_in_fp8=head_in_fp8,
             fuse_attention=fusion,
+            calls=calls,
         )
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 

@@ -41,7 +41,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import re
 import weakref
 from typing import Any, Callable, Optional
@@ -54,6 +53,10 @@ from jamp.overrides import tag_index as _tag_index
 from jamp.scopes import CALL_SCOPE as _NNX_SCOPE
 from jamp.scopes import ROOT_SCOPE as _NNX_ROOT
 from jamp.scopes import SUM_SCOPE as _SUM_SCOPE
+from jamp.scopes import LinenCalls, chain_path
+from jamp.scopes import Name as Name  # the name stack's reading, shared with the fp8 site names
+from jamp.scopes import names as names
+from jamp.scopes import split_top as split_top
 
 #: The scope `jamp.wrap` puts around an overridden submodule's call (see `jamp.overrides.tag`).
 _TAG = re.compile(rf"^{re.escape(wrap_tag)}(\d+)_$")
@@ -67,65 +70,6 @@ _FUNCTION_TRANSFORMS = frozenset({"jit", "pjit"})
 _JAX_NAMES = frozenset({"rematted_computation", _SUM_SCOPE})
 
 
-@dataclasses.dataclass(frozen=True)
-class Name:
-    """One name of a name stack, with the transforms around it (innermost first)."""
-
-    text: str
-    transforms: tuple[str, ...] = ()
-
-
-def split_top(text: str) -> list[str]:
-    """`text` split at the slashes outside parentheses."""
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-        elif ch == "/" and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    return [p for p in parts if p]
-
-
-def _wraps_whole(part: str) -> bool:
-    """Whether `part` is one `head(...)`: its first "(" closes at its last character (not
-    `a(x)/b(y)`, a whole stack that `jamp.autocast` re-entered as one scope)."""
-    depth = 0
-    for i, ch in enumerate(part):
-        if ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-            if depth == 0:
-                return i == len(part) - 1
-    return False
-
-
-def names(name_stack: str) -> list[Name]:
-    """The names of a name stack, transforms peeled off: `transpose(jvp(A))/B` -> A (under
-    transpose and jvp), B. A scope name that itself holds slashes (`jamp.autocast` re-enters an
-    equation's whole name stack as one scope) is split too."""
-    out: list[Name] = []
-    for part in split_top(name_stack):
-        transforms = []
-        while part.endswith(")") and "(" in part and _wraps_whole(part):
-            head, inner = part.split("(", 1)
-            if not re.fullmatch(r"\w+", head):
-                break
-            transforms.append(head)
-            part = inner[:-1]
-        around = tuple(reversed(transforms))  # innermost first
-        if "/" in part and len(split_top(part)) > 1:  # a wrapped scope holding a whole stack
-            for sub in names(part):
-                out.append(Name(sub.text, sub.transforms + around))
-        elif part:
-            out.append(Name(part, around))
-    return out
-
-
 def is_backward(name_stack: str) -> bool:
     """Whether an equation belongs to a backward pass (it ran under JAX's `transpose`)."""
     return "transpose(" in name_stack
@@ -136,52 +80,27 @@ def policy_tag(name_stack: str) -> Optional[int]:
     return _tag_index(name_stack)  # jamp.wrap's own reading of its tags
 
 
-class ModuleCalls:
-    """Records, while a function is traced, the scope names that Flax module calls leave.
+class ModuleCalls(LinenCalls):
+    """Records, while a function is traced, the scope names that Flax module calls leave
+    (`jamp.scopes.LinenCalls`: `roots`, `modules`, `chains`).
 
     Also keeps the `jamp.wrap`ped modules it saw (`wrapped`), whose overrides say which policy
     each tag index stands for, and the class of each module by path (`classes`).
     """
 
-    def __init__(self):
-        self.modules: set[str] = set()  # scope names of linen submodules, without ".method"
-        self.roots: set[str] = set()  # scope names of root modules, "Class" or "Class.method"
+    def __init__(self) -> None:
+        super().__init__()
         self.classes: dict[str, type] = {}  # module path -> class
         self.nnx_roots: set[str] = set()  # class names of wrapped NNX models called
         self.wrapped: list = []  # jamp.wrap's linen Wrapped modules, NNX models' settings
-        # The scope names of the module calls below a root, as they stand on the name stack
-        # (methods as "Dense_0.attend"), -> the module's params path.
-        self.chains: dict[tuple[str, ...], str] = {}
-        self._stack: list[str] = []
-        self._chain: tuple[str, ...] = ()
 
-    def _interceptor(self, next_fun, args, kwargs, context):
-        module, method = context.module, context.method_name
-        scope = module.name or type(module).__name__
-        label = scope if method == "__call__" else f"{scope}.{method}"
-        if module.name is None:  # a root (or jamp's Wrapped, which is never bound)
-            self.roots.add(label)
-            if type(module).__name__ == "Wrapped" and hasattr(module, "overrides"):
+    def _called(self, module: nn.Module, path: str) -> None:
+        if type(module).__name__ == "Wrapped":
+            if module.name is None and hasattr(module, "overrides"):
                 if not any(w is module for w in self.wrapped):
                     self.wrapped.append(module)
-            path: list[str] = []
-            chain: tuple[str, ...] = ()
-        else:
-            if self._stack and self._stack[-1] == scope:
-                path = list(self._stack)  # its own method, or a lifted transform's inner module
-            else:
-                self.modules.add(scope)
-                path = self._stack + [scope]
-            chain = self._chain + (label,)
-            self.chains.setdefault(chain, "/".join(path))
-        if type(module).__name__ != "Wrapped":
-            self.classes.setdefault("/".join(path), type(module))
-        saved = self._stack, self._chain
-        self._stack, self._chain = path, chain
-        try:
-            return next_fun(*args, **kwargs)
-        finally:
-            self._stack, self._chain = saved
+            return
+        self.classes.setdefault(path, type(module))
 
     def _nnx_call(self, path: str, cls: type, setup) -> None:
         if path:
@@ -195,7 +114,7 @@ class ModuleCalls:
     def recording(self):
         """Record module calls made (by any tracing) inside this context: linen modules' and
         the submodules' of `jamp.wrap`ped NNX models."""
-        with nn.intercept_methods(self._interceptor), _observing_nnx_calls(self._nnx_call):
+        with super().recording(), _observing_nnx_calls(self._nnx_call):
             yield self
 
 
@@ -269,23 +188,9 @@ def module_path(name_stack: str, calls: Optional[ModuleCalls] = None) -> str:
         if calls is not None and calls.roots and text.partition(".")[0] not in calls.modules:
             continue  # a user's own scope inside a Flax program
         kept.append(text)
-    # The longest run of scopes a recorded call left names its params path exactly; names past
-    # it (calls of a trace JAX served from its cache, unseen) are read one module each.
-    path: list[str] = []
+    # The longest run of scopes a recorded call left names its params path exactly.
     previous = texts[start - 1].partition(".")[0] if start else None
-    chains = calls.chains if calls is not None else {}
-    for end in range(len(kept) if chains else 0, 0, -1):
-        found = chains.get(tuple(kept[:end]))
-        if found is not None:
-            path = found.split("/") if found else []
-            previous, kept = kept[end - 1].partition(".")[0], kept[end:]
-            break
-    for text in kept:
-        scope, _, method = text.partition(".")
-        if not (method and scope == previous):  # else: a module calling a method of its own
-            path.append(scope)
-        previous = scope
-    return "/".join(path)
+    return chain_path(kept, calls.chains if calls is not None else {}, previous)
 
 
 def nnx_root(name_stack: str) -> Optional[str]:

@@ -136,22 +136,19 @@ def fp8_state_for(model, info, params, model_state, fp8_scaling) -> fp8.Fp8State
     """A fresh fp8 state (`(recipe, history, margin)`) with a site for every fp8 matmul of the
     train step's loss on `model`; `params` and `model_state` may be abstract."""
     recipe, history, margin = fp8_scaling
+    loss_fn, args = _fp8_loss(model, info, params, model_state)
+    return fp8.init_state(loss_fn, *args, recipe=recipe, history=history, margin=margin)
+
+
+def _fp8_loss(model, info, params, model_state):
+    """The train step's loss on `model` and example arguments for it, which trace its fp8 sites."""
     dtype = jnp.int32 if info.task == "lm" else jnp.float32
     dummy = jnp.zeros((1, *info.input_shape), dtype)
     if info.task == "lm":
         batch = {"tokens": jnp.zeros((1, info.input_shape[0] + 1), jnp.int32)}
     else:
         batch = {"image": dummy, "label": jnp.zeros((1,), jnp.int32)}
-    return fp8.init_state(
-        tasks.make_loss_fn(model, info.task),
-        params,
-        model_state,
-        batch,
-        jax.random.key(0),
-        recipe=recipe,
-        history=history,
-        margin=margin,
-    )
+    return tasks.make_loss_fn(model, info.task), (params, model_state, batch, jax.random.key(0))
 
 
 def _fp8_sites_of(run, model, info) -> fp8.Fp8State:
@@ -178,25 +175,71 @@ def _needs_calibration(run, state) -> bool:
     return bool(run.fp8) and run.fp8[0] == "delayed" and fp8.uses_state(state.fp8_state)
 
 
-def _fp8_sites_as_stored(target, stored_tree):
-    """Adaptive precision under fp8: the restore target's fp8 sites are the checkpoint's (a
-    promotion before it removed some), shaped as stored and placed like the target's."""
-    stored = stored_tree.get("fp8_state") if isinstance(stored_tree, dict) else None
-    sites = stored.get("sites") if isinstance(stored, dict) else None
-    if not isinstance(sites, dict) or target.fp8_state is None:
-        return target
-    if set(sites) == set(target.fp8_state.sites):
-        return target
-    like = next(iter(target.fp8_state.sites.values()), None)
-    if like is None:  # a model without fp8 matmuls: nothing to hold them
-        return target
+class _Fp8Sites:
+    """What the restore target's fp8 sites are made to be: the checkpoint's, where the run allows
+    them to differ. Adaptive precision under fp8: a promotion before the checkpoint removed some
+    (`adaptive`). Any fp8 run: a checkpoint written before site names were params paths names
+    them as the name stack spelt them ("TransformerLM/DecoderBlock_0/Dense_0/dot_general", now
+    "DecoderBlock_0/Dense_0/dot_general"): restored under those names, then renamed (`current`)
+    by the map `jamp.fp8.former_names` traces from `model`'s loss."""
 
-    def spec(leaf):  # this run's shapes (its history length), the checkpoint's names
-        sharding = getattr(leaf, "sharding", None)
-        return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
+    def __init__(self, model, info, adaptive: bool):
+        self.model, self.info, self.adaptive = model, info, adaptive
+        self._former: dict[str, str] | None = None
 
-    made = {name: jax.tree.map(spec, like) for name in sites}
-    return target.replace(fp8_state=target.fp8_state.replace(sites=made))
+    def former(self) -> dict[str, str]:
+        """{former site name: current name} for `model`'s loss (traced once, when needed;
+        none without a model)."""
+        if self._former is None and self.model is None:
+            self._former = {}
+        if self._former is None:
+            variables = dict(adapting.abstract_variables(self.model, self.info))
+            params = variables.pop("params")
+            loss_fn, args = _fp8_loss(self.model, self.info, params, variables)
+            self._former = fp8.former_names(loss_fn, *args)
+        return self._former
+
+    def __call__(self, target, stored_tree):
+        """`fit` for `Checkpointer.restore`: the target with the stored tree's fp8 site names,
+        shaped like this run's sites (its history length) and placed like them."""
+        stored = stored_tree.get("fp8_state") if isinstance(stored_tree, dict) else None
+        sites = stored.get("sites") if isinstance(stored, dict) else None
+        if not isinstance(sites, dict) or target.fp8_state is None:
+            return target
+        names, current = set(sites), set(target.fp8_state.sites)
+        if names == current:
+            return target
+        like = next(iter(target.fp8_state.sites.values()), None)
+        if like is None:  # a model without fp8 matmuls: nothing to hold them
+            return target
+        stale = names - current
+        if stale and stale & set(self.former()):  # named as before
+            unknown = sorted(stale - set(self.former()))
+            renamed = {self.former().get(n, n) for n in names}
+            if unknown or not (renamed <= current if self.adaptive else renamed == current):
+                odd = unknown or sorted(current ^ renamed)
+                raise CheckpointError(
+                    "the checkpoint's fp8 matmul sites are named as jamp named them before site "
+                    f"names were params paths, and not all are this model's ({odd[0]!r}); use "
+                    "another --workdir or the original config"
+                )
+        elif not self.adaptive:
+            return target  # another model's sites: the restore says what differs
+
+        def spec(leaf):  # this run's shapes (its history length), the checkpoint's names
+            sharding = getattr(leaf, "sharding", None)
+            return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
+
+        made = {name: jax.tree.map(spec, like) for name in sites}
+        return target.replace(fp8_state=target.fp8_state.replace(sites=made))
+
+    def current(self, state):
+        """The restored state with its fp8 sites under their current names."""
+        if state.fp8_state is None or self._former is None:
+            return state  # no site was named as before (the map was never needed)
+        if not set(state.fp8_state.sites) & set(self._former):
+            return state
+        return state.replace(fp8_state=fp8.renamed(state.fp8_state, self._former))
 
 
 def _check_fp8_sites(run, model, info, state) -> None:
@@ -278,8 +321,10 @@ def train_and_evaluate(
     with Checkpointer(workdir / "checkpoints", max_to_keep=run.max_checkpoints_to_keep) as ckpt:
         if ckpt.latest_step() is not None:
             # CheckpointError if it belongs to another config; damaged newer ones are set aside
-            fit = _fp8_sites_as_stored if adapt is not None and run.fp8 else None
+            fit = _Fp8Sites(model, dataset.info, adapt is not None) if run.fp8 else None
             state = ckpt.restore(_restore_target(run, state), set_aside_damaged=True, fit=fit)
+            if fit is not None:  # sites stored under their former names: their names now
+                state = fit.current(state)
             if int(state.step) >= run.num_train_steps:
                 return _complete(run, int(state.step), workdir)
             print(f"resuming from the checkpoint at step {int(state.step)}", flush=True)
