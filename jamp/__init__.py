@@ -3,7 +3,8 @@
 The public API, all documented in the README:
 
 * policies: `get_policy`, `describe_policy`, `PRESETS`;
-* wrapping: `wrap` (linen and NNX modules), `autocast` (any JAX function), `FP32_MODULES`,
+* wrapping: `wrap` (linen and NNX modules), `autocast` (any JAX function; of an Equinox module,
+  an `Autocast` pytree), `FP32_MODULES`,
   `UnsupportedProgramError`, `RecognitionWarning` (a pattern jamp fuses, not recognised in a
   module: it runs as traced), `module_policies` (which policy each linen submodule runs
   under); NNX training through `jamp.make_train_step`: the `jamp.nnx` module (`split`,
@@ -46,7 +47,7 @@ from jamp import (  # noqa: F401 (_startup first: it loads JAX, see the module)
     target,
 )
 from jamp import jax_compat as _jax_compat
-from jamp.autocast import autocast
+from jamp.autocast import Autocast, autocast
 from jamp.engine import RecognitionWarning
 from jamp.jax_compat import UnsupportedProgramError
 from jamp.loss_scale import (
@@ -82,6 +83,7 @@ __all__ = [
     "adaptive",
     "all_finite",
     "autocast",
+    "Autocast",
     "compile_for",
     "describe_policy",
     "finite_by_group",

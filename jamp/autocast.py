@@ -10,14 +10,16 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
 from typing import Any, Callable, Sequence
 
 import jax
+from jax import custom_batching
 
 from jamp import activations as act
-from jamp import precision
+from jamp import jax_compat, precision
 from jamp.engine import AttentionFusion, ComputeFor, _rewrite, fusion_key, placing, rewrite
 
 __all__ = ["autocast", "placing", "rewrite", "NORM_SCOPE_SUFFIXES"]
@@ -112,8 +114,15 @@ def autocast(
         and a mapping of name-scope path patterns to True / False decides per scope (the first
         pattern matching the path, or an enclosing part of it, decides; fused where none does).
 
+    Under `jax.vmap` (Equinox's `jax.vmap(model)(x)`), the batched program is the one rewritten,
+    so its matmuls are the batched ones, forward and backward, as `jamp.autocast` of the whole
+    loss gives.
+
     Returns:
-      A function with `fn`'s signature.
+      A function with `fn`'s signature; for a callable pytree (an Equinox module, an Equinox
+      filtered transform), an `Autocast`: called as `fn` is and a pytree with `fn`'s leaves, so
+      that `model = jamp.autocast(model, policy)` once, outside the loss, trains `model`'s
+      parameters (`.fn` is the module).
 
     Example::
 
@@ -143,17 +152,121 @@ def autocast(
     )
     compute = precision.autocast_dtype(policy)
 
-    def run(*args, **kwargs):
+    def call(fn, args, kwargs):
         if _array_leaves(fn):  # a callable pytree (an Equinox module): its leaves are parameters
-            call = engine(
+            return _rewritten(
+                engine,
                 lambda module, *a, **kw: module(*a, **kw),
+                (fn, *args),
+                kwargs,
+                (0,) + tuple(i + 1 for i in argnums),
                 compute,
-                weak_argnums=(0,) + tuple(i + 1 for i in argnums),
-                **options,
+                options,
             )
-            out = call(fn, *args, **kwargs)
-        else:
-            out = engine(fn, compute, weak_argnums=argnums, **options)(*args, **kwargs)
-        return policy.cast_to_output(out)
+        return _rewritten(engine, fn, args, kwargs, argnums, compute, options)
 
-    return functools.update_wrapper(run, fn, updated=())  # not an Equinox module's fields
+    if _is_pytree(fn):  # its leaves stay leaves: transforms see them, and updates reach them
+        return Autocast(fn, _Call(call, policy))
+
+    def run(*args, **kwargs):
+        return policy.cast_to_output(call(fn, args, kwargs))
+
+    return functools.update_wrapper(run, fn, updated=())
+
+
+def _is_pytree(fn) -> bool:
+    """Whether `fn` is a pytree of its own (an Equinox module, `eqx.filter_grad`'s wrapper, any
+    registered callable), not a leaf as a function is."""
+    leaves = jax.tree.leaves(fn)
+    return not (len(leaves) == 1 and leaves[0] is fn)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Call:
+    """How an `Autocast` calls its `fn`: the pytree's static part (compared by identity, so that
+    `jit` traces an updated model again only when its structure changes)."""
+
+    call: Callable
+    policy: Any
+
+
+class Autocast:
+    """`jamp.autocast` of a callable pytree (an Equinox module): called as `fn` is, under the
+    policy, and a pytree with `fn`'s leaves, so that `eqx.filter_value_and_grad`,
+    `eqx.apply_updates`, `filter_jit` and `filter_vmap` see and update its parameters.
+
+    `model = jamp.autocast(model, "mixed_bfloat16")` once, then train `model` as the module it
+    wraps; `model.fn` is the module (trained, after training).
+    """
+
+    def __init__(self, fn: Any, how: _Call):
+        self.fn = fn
+        self._how = how
+
+    def __call__(self, *args, **kwargs):
+        return self._how.policy.cast_to_output(self._how.call(self.fn, args, kwargs))
+
+    @property
+    def __wrapped__(self):  # what `inspect.signature` and `inspect.unwrap` read
+        return self.fn
+
+    def __repr__(self) -> str:
+        return f"jamp.autocast({self.fn!r}, {precision.describe(self._how.policy)})"
+
+
+jax.tree_util.register_pytree_node(
+    Autocast, lambda a: ((a.fn,), a._how), lambda how, children: Autocast(children[0], how)
+)
+
+
+def _rewritten(engine, fn, args, kwargs, argnums, compute, options):
+    """`fn(*args, **kwargs)` rewritten by `engine`. Under `jax.vmap` (a call per example: the
+    documented `jax.vmap(model)(x)` of Equinox) the vmap moves inside the rewrite, so that its
+    matmuls are the batched program's: traced per example, each weight's gradient would be a
+    product per example summed after (JAX batches a custom VJP's backward as a whole), which
+    XLA does not turn back into one matmul."""
+    axis = jax_compat.vmap_axis(jax.tree.leaves((args, kwargs)))
+    if axis is None:
+        return engine(fn, compute, weak_argnums=argnums, **options)(*args, **kwargs)
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    at = [i for i, leaf in enumerate(leaves) if _rewrite.is_traceable(leaf)]
+    params = {i for n in argnums if n < len(args) for i in _leaf_range(leaves, tree, args, n)}
+
+    def plain(*arrays):
+        full = list(leaves)
+        for i, x in zip(at, arrays):
+            full[i] = x
+        a, kw = jax.tree.unflatten(tree, full)
+        return fn(*a, **kw)
+
+    lifted = custom_batching.custom_vmap(plain)
+
+    @lifted.def_vmap
+    def _batched(size, in_batched, *arrays):
+        mapped: list[bool] = []
+
+        def one(*xs):  # one example's call, noting which outputs vary along the axis
+            out = plain(*xs)
+            mapped[:] = [jax_compat.vmap_axis([o]) is not None for o in jax.tree.leaves(out)]
+            return out
+
+        batched = jax.vmap(
+            one,
+            in_axes=[0 if b else None for b in in_batched],
+            axis_size=size,
+            axis_name=axis.name,
+            spmd_axis_name=axis.spmd_name,
+        )
+        weak = tuple(k for k, i in enumerate(at) if i in params)
+        out = engine(batched, compute, weak_argnums=weak, **options)(*arrays)
+        flat, out_tree = jax.tree.flatten(out)
+        flat = [x if m else x[0] for x, m in zip(flat, mapped)]  # (a psum's: one for all)
+        return jax.tree.unflatten(out_tree, flat), jax.tree.unflatten(out_tree, mapped)
+
+    return lifted(*[leaves[i] for i in at])
+
+
+def _leaf_range(leaves, tree, args, n) -> range:
+    """The indices, in the flat leaves of `(args, kwargs)`, of `args[n]`'s leaves."""
+    start = sum(len(jax.tree.leaves(a)) for a in args[:n])
+    return range(start, start + len(jax.tree.leaves(args[n])))

@@ -20,7 +20,8 @@ Differences between the supported releases (JAX 0.10 to 0.12), and how each is r
   change nothing (the float32 policy on a float32 model).
 
 * Whether a value is under `vmap` (`is_batched`: JAX's private batching tracer class; jamp.fp8
-  scales such matmuls statelessly).
+  scales such matmuls statelessly), and the axis of the `vmap` a call runs in (`vmap_axis`: the
+  batching trace's `axis_data`), for `jamp.autocast` to rewrite the batched program.
 * A convolution's transposes are JAX's own rules (`conv_transposes`); reached through `jax.vjp`
   they widen 16-bit operands to an fp32 cotangent's dtype, so jamp calls them directly (the
   same private signature from 0.10 to 0.12) to keep 16-bit operands with an fp32 result.
@@ -124,6 +125,28 @@ def is_batched(x: Any) -> bool:
     from jax._src.interpreters import batching
 
     return isinstance(x, batching.BatchTracer)
+
+
+def vmap_axis(leaves) -> Any:
+    """The axis of the `jax.vmap` that operations bind to right now (JAX's private
+    `batching.AxisData`: `name`, `size`, `spmd_name`), where some of `leaves` is mapped along
+    it; None otherwise (no vmap innermost, none of `leaves` mapped by it, or a vmap over an
+    explicit mesh axis). The same classes and fields from 0.10 to 0.12."""
+    from jax._src.interpreters import batching
+
+    trace = current_trace()
+    axis = getattr(trace, "axis_data", None)
+    if not isinstance(trace, batching.BatchTrace) or axis is None:
+        return None
+    if getattr(axis, "explicit_mesh_axis", None) is not None:
+        return None
+    mapped = any(
+        isinstance(x, batching.BatchTracer)
+        and x._trace is trace
+        and x.batch_dim is not None  # (None: not mapped, in every release)
+        for x in leaves
+    )
+    return axis if mapped else None
 
 
 def current_trace() -> Any:

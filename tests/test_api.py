@@ -28,6 +28,7 @@ PUBLIC = {
     "UnsupportedProgramError",
     "all_finite",
     "autocast",
+    "Autocast",
     "describe_policy",
     "finite_by_group",
     "get_policy",

@@ -159,3 +159,12 @@ def test_docs_autocast_example_trains_an_equinox_model_and_keeps_the_head_fp32(t
         assert match, stdout
         assert float(match.group(1)) < 0.1
         assert match.group(2).split() == ["bfloat16", "float32"]  # the hidden layer, the head
+
+
+def test_docs_equinox_example_trains_autocast_outside_the_loss_as_fp32_does(tmp_path):
+    (block,) = blocks_with("eqx.nn.make_with_state")
+    stdout = run_block(block, tmp_path)
+    match = re.search(r"fp32 loss ([\d.]+)  bf16 loss ([\d.]+)  weights (\w+)", stdout)
+    assert match, stdout
+    fp32, bf16 = float(match.group(1)), float(match.group(2))
+    assert fp32 < 0.3 and abs(bf16 - fp32) < 0.1 and match.group(3) == "float32"
