@@ -65,9 +65,7 @@ def recipe_state(data_dir, overrides=None, recipe: str = "default"):
     if run.adaptive:
         static = loop.keep_in_float32(run, model, dataset.info)
         adaptive_state = adapting.Adapting(run, model, dataset.info, static).init_state()
-    return loop.init_state(
-        model, tx, run.loss_scale, dataset.info, run.seed, run.fp8, adaptive_state=adaptive_state
-    )
+    return loop.fresh_state(run, model, tx, dataset.info, adaptive_state)
 
 
 # The server behind `ForkedCli`: imports the program once, then per request forks a child that

@@ -89,6 +89,7 @@ RANK = {
     "target": 5.3,  # above inspect (its compiled-program report) and sharding (target meshes)
     "run_log": 5.5,
     "steps": 5.6,  # the program's placed steps: above parallel and sharding, below loop
+    "recipe_step": 5.4,  # a recipe's train step: above tasks and step, below loop and plan
     "stop": 4,  # SIGTERM / Ctrl-C as a stop request, for loop
     "loop": 6,
     "plan": 6.5,  # above loop, whose model and state builders it runs abstractly
@@ -98,7 +99,7 @@ RANK = {
 # The training program's modules (jamp/train/): ranked like the library's, by their own name.
 PROGRAM = {"loop", "run_config", "run_log", "checkpoint", "metrics", "optim", "tasks"}
 PROGRAM |= {"overflow_watch", "data", "cli", "cli_help", "nnx_adapter", "adapting", "plan"}
-PROGRAM |= {"steps", "stop"}
+PROGRAM |= {"steps", "stop", "recipe_step"}
 # Heavy or program-only dependencies, and the only modules allowed to import them.
 CONFINED = {
     "tensorflow": {"data"},

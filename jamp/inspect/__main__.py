@@ -34,7 +34,7 @@ def _build(config):
     run, data_cfg, optim_cfg, task = loop.parse_config(config)
     dataset, model = loop.build_model(run, data_cfg, task)
     tx, _ = make_optimizer(optim_cfg)
-    state = loop.init_state(model, tx, run.loss_scale, dataset.info, run.seed)
+    state = loop.fresh_state(run, model, tx, dataset.info)  # the run's own
     return run, data_cfg, task, dataset, model, tx, state
 
 
@@ -48,16 +48,14 @@ def inspect_recipe(config, workdir) -> str:
     from jamp.inspect.ranges import range_report
     from jamp.inspect.report import precision_report
     from jamp.precision import describe
-    from jamp.step import make_train_step
-    from jamp.train import loop, tasks
+    from jamp.train import loop, recipe_step, tasks
 
     path = loop.resolve_workdir(workdir) if workdir else None
     run, data_cfg, task, dataset, model, tx, state = _build(config)
-    loss_fn = tasks.make_loss_fn(model, task)
-    # What one device runs under jit (pmap adds the replicas' averaging), on the global batch.
-    step = make_train_step(
-        loss_fn, tx, accumulation_steps=run.accumulation_steps, max_grad_norm=run.max_grad_norm
-    )
+    loss_fn = recipe_step.loss_fn(run, model, task)
+    # What one device runs under jit (pmap adds the replicas' averaging), on the global batch:
+    # the run's own step (`recipe_step`), its parameter rounding and reduce dtype included.
+    step = recipe_step.train_step(run, model, task, tx)
     batch = next(iter(dataset.train_batches(start_step=0)))
     rng = jax.random.key(run.seed)
     report = precision_report(step, state, batch, rng)

@@ -22,10 +22,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jamp import adaptive, fp8, lowbit, parallel, sharding
 from jamp.models import NnxModel, get_model
-from jamp.precision import describe, is_fp8, reduce_dtype
+from jamp.precision import describe, is_fp8
 from jamp.state import TrainState
-from jamp.step import make_eval_step, make_train_step
-from jamp.train import adapting, run_log, tasks
+from jamp.step import make_eval_step
+from jamp.train import adapting, recipe_step, run_log, tasks
 from jamp.train import data as data_lib
 from jamp.train.checkpoint import Checkpointer, CheckpointError
 from jamp.train.metrics import MetricWriter, peak_memory_mib, summary_table
@@ -118,6 +118,22 @@ def init_state(
         fp8_state=fp8_state,
         adaptive_state=adaptive_state,
         compute_dtype=_copies_dtype(model, fp8_scaling, adaptive or adaptive_state is not None),
+    )
+
+
+def fresh_state(run, model, tx, info, adaptive_state=None) -> TrainState:
+    """The recipe's fresh TrainState (`init_state` with the run's loss scale, seed, fp8 scaling
+    and adaptive precision): what the loop, `--compile_for` and `python -m jamp.inspect` start
+    from, as `jamp.train.recipe_step` gives their step."""
+    return init_state(
+        model,
+        tx,
+        run.loss_scale,
+        info,
+        run.seed,
+        run.fp8,
+        adaptive_state,
+        adaptive=bool(run.adaptive),
     )
 
 
@@ -309,15 +325,7 @@ def train_and_evaluate(
         adapt = adapting.Adapting(run, model, dataset.info, static)
     workdir = prepare_workdir(workdir)
     tx, schedule = make_optimizer(optim_cfg)
-    state = init_state(
-        model,
-        tx,
-        run.loss_scale,
-        dataset.info,
-        run.seed,
-        run.fp8,
-        adaptive_state=adapt.init_state() if adapt else None,
-    )
+    state = fresh_state(run, model, tx, dataset.info, adapt.init_state() if adapt else None)
     with Checkpointer(workdir / "checkpoints", max_to_keep=run.max_checkpoints_to_keep) as ckpt:
         if ckpt.latest_step() is not None:
             # CheckpointError if it belongs to another config; damaged newer ones are set aside
@@ -393,21 +401,11 @@ def _train(
     *,
     adapt=None,
 ):
-    reduce = reduce_dtype(run.policy)  # under pmap, the step averages in it; sharded, wrap sums
-
     def current_model():  # with adaptive precision, the one its promotions (restored too) give
         return model if adapt is None else adapt.model
 
     def train_step_fn(axis_name):
-        return make_train_step(
-            tasks.make_loss_fn(current_model(), task, forward_flags=adapt is not None),
-            tx,
-            axis_name=axis_name,
-            accumulation_steps=run.accumulation_steps,
-            max_grad_norm=run.max_grad_norm,
-            reduce_dtype=None if reduce == np.float32 else reduce,
-            param_rounding=run.step_rounding,
-        )
+        return recipe_step.train_step(run, current_model(), task, tx, axis_name)
 
     def eval_fn(axis_name):
         return make_eval_step(tasks.make_eval_fn(current_model(), task), axis_name=axis_name)

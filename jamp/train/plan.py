@@ -21,14 +21,12 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jamp import lowbit, parallel, sharding
-from jamp.precision import describe, reduce_dtype
-from jamp.step import make_train_step
+from jamp.precision import describe
 from jamp.target import Target, compile_for, get_target, memory_fraction
 from jamp.train import data as data_lib
-from jamp.train import loop, tasks
+from jamp.train import loop, recipe_step
 from jamp.train.optim import OptimConfig, make_optimizer
 from jamp.train.run_config import ConfigError, RunConfig, parse_config
 
@@ -95,11 +93,7 @@ def abstract_state(recipe: Recipe):
         raise ConfigError(str(e)) from None
     model = loop.make_model(run, info, recipe.task, recipe.data.dataset)
     tx, _ = make_optimizer(recipe.optim)
-    state = jax.eval_shape(
-        lambda: loop.init_state(
-            model, tx, run.loss_scale, info, run.seed, run.fp8, adaptive=bool(run.adaptive)
-        )
-    )
+    state = jax.eval_shape(lambda: loop.fresh_state(run, model, tx, info))
     return model, tx, state, info
 
 
@@ -112,18 +106,9 @@ def compile_at(recipe: Recipe, batch_size: int, compiler_options: Optional[dict]
     """The `CompileReport` of the recipe's train step at global batch `batch_size`."""
     run, task = recipe.run, recipe.task
     model, tx, state, info = abstract_state(recipe)
-    reduce = reduce_dtype(run.policy)
 
     def step_fn(axis_name):
-        return make_train_step(
-            tasks.make_loss_fn(model, task),
-            tx,
-            axis_name=axis_name,
-            accumulation_steps=run.accumulation_steps,
-            max_grad_norm=run.max_grad_norm,
-            reduce_dtype=None if reduce == np.float32 else reduce,
-            param_rounding=run.step_rounding,
-        )
+        return recipe_step.train_step(run, model, task, tx, axis_name)
 
     if run.parallelism == "sharded":
         shardings = sharding.state_shardings(state, run.mesh)
