@@ -230,7 +230,7 @@ def _rewritten(engine, fn, args, kwargs, argnums, compute, options):
         return engine(fn, compute, weak_argnums=argnums, **options)(*args, **kwargs)
     leaves, tree = jax.tree.flatten((args, kwargs))
     at = [i for i, leaf in enumerate(leaves) if _rewrite.is_traceable(leaf)]
-    params = {i for n in argnums if n < len(args) for i in _leaf_range(leaves, tree, args, n)}
+    params = {i for n in argnums if n < len(args) for i in _leaf_range(args, n)}
 
     def plain(*arrays):
         full = list(leaves)
@@ -266,7 +266,7 @@ def _rewritten(engine, fn, args, kwargs, argnums, compute, options):
     return lifted(*[leaves[i] for i in at])
 
 
-def _leaf_range(leaves, tree, args, n) -> range:
+def _leaf_range(args, n) -> range:
     """The indices, in the flat leaves of `(args, kwargs)`, of `args[n]`'s leaves."""
     start = sum(len(jax.tree.leaves(a)) for a in args[:n])
     return range(start, start + len(jax.tree.leaves(args[n])))

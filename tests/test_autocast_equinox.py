@@ -133,21 +133,13 @@ def test_vmap_of_an_autocast_module_compiles_to_the_batched_matmuls(form):
             m = jamp.autocast(m, "mixed_bfloat16")
         return jnp.mean(jax.vmap(m)(x) ** 2)
 
+    subject = model if form.startswith("vmap") else wrapped
     ref = _optimized_cpu_program(lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2), model)
-    got = _optimized_cpu_program(loss, model if form.startswith("vmap") else wrapped)
+    got = _optimized_cpu_program(loss, subject)
     assert len(_dots(got)) == len(_dots(ref)) == 8  # 3 forward, 2 + 3 backward
     assert not re.search(r"\[64,(32|8|4),(32|8|4)\]", got)  # no per-example weight gradient
     # and still bf16 operands, forward and backward
-    params, static = eqx.partition(model, eqx.is_array)
-    jaxpr = jax.make_jaxpr(
-        jax.grad(
-            lambda p: (
-                loss(eqx.combine(p, static), X)
-                if form.startswith("vmap")
-                else jnp.mean(jax.vmap(jamp.autocast(eqx.combine(p, static), "mixed_bfloat16"))(X))
-            )
-        )
-    )(params).jaxpr
+    jaxpr = eqx.filter_make_jaxpr(eqx.filter_grad(loss))(subject, X)[0].jaxpr
     operands = set(_matmul_operands(jaxpr))
     assert operands == {(BF16, BF16)}
 
