@@ -11,12 +11,14 @@ main params. The gradient still comes back to the float32 params, in float32.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, ClassVar, ContextManager
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jamp.extension import Extension
 
 PyTree = Any
 
@@ -139,3 +141,18 @@ def no_gradient(ready):
     """The cotangent of the `ready_casts` copies: none flows there (they are the params' values
     rounded; the gradient goes to the params)."""
     return jax.tree.map(jnp.zeros_like, ready)
+
+
+class CopiesExtension(Extension):
+    """The copies (`TrainState.compute_params`) as an extension of the train step: the loss is
+    traced with them ready for its matmuls, and the step makes them again from the params it
+    keeps (one more output of the update's kernels; a skipped step's are the same bits)."""
+
+    field: ClassVar[str] = "compute_params"
+
+    def tracing(self, slot, params) -> ContextManager:
+        return ready_casts(() if slot is None else pairs(params, slot))
+
+    def commit(self, slot, observed, finite, params):
+        del observed, finite
+        return None if slot is None else recast(params, slot)

@@ -53,6 +53,7 @@ RANK = {
     "mixed_ops": 0,
     "grouped": 0.1,  # grouped GEMMs in a compute dtype: above mixed_ops, beneath the engine
     "copies": -1,  # the params' 16-bit copies: beneath mixed_ops and the engine, which read them
+    "extension": -1.5,  # the train step's extension interface: beneath fp8 and copies
     "activations": 0,
     "hlo": 0,
     "hardware": -1,  # below precision and mixed_ops, which ask it what the device runs
@@ -89,6 +90,7 @@ RANK = {
     "target": 5.3,  # above inspect (its compiled-program report) and sharding (target meshes)
     "run_log": 5.5,
     "steps": 5.6,  # the program's placed steps: above parallel and sharding, below loop
+    "fp8_sites": 5.7,  # a run's fp8 sites through restores and promotions: above steps
     "recipe_step": 5.4,  # a recipe's train step: above tasks and step, below loop and plan
     "stop": 4,  # SIGTERM / Ctrl-C as a stop request, for loop
     "loop": 6,
@@ -99,7 +101,7 @@ RANK = {
 # The training program's modules (jamp/train/): ranked like the library's, by their own name.
 PROGRAM = {"loop", "run_config", "run_log", "checkpoint", "metrics", "optim", "tasks"}
 PROGRAM |= {"overflow_watch", "data", "cli", "cli_help", "nnx_adapter", "adapting", "plan"}
-PROGRAM |= {"steps", "stop", "recipe_step"}
+PROGRAM |= {"steps", "stop", "recipe_step", "fp8_sites"}
 # Heavy or program-only dependencies, and the only modules allowed to import them.
 CONFINED = {
     "tensorflow": {"data"},

@@ -13,6 +13,8 @@ import pytest
 
 import jamp
 from jamp import fp8
+from jamp.fp8 import formats as fp8_formats
+from jamp.fp8 import state as fp8_state_lib
 from jamp.models.transformer import TransformerLM
 from jamp.step import FP8_SATURATION
 
@@ -438,7 +440,7 @@ def test_init_state_has_a_site_per_layer_matmul_with_empty_history(lm_setup, nam
 
 
 def test_update_rolls_the_history_and_scales_from_its_maximum():
-    st = fp8.Fp8State({"s": fp8._new_site(3)}, "delayed", 1.0)
+    st = fp8.Fp8State({"s": fp8_state_lib._new_site(3)}, "delayed", 1.0)
     seen = []
     for amax in ([2.0, 4.0, 8.0], [1.0, 1.0, 16.0], [0.5, 0.5, 0.5], [0.25, 0.25, 0.25]):
         obs = fp8.Fp8State(
@@ -475,7 +477,7 @@ def test_train_step_updates_the_delayed_state_and_reports_sites(lm_setup, names)
     site = state.fp8_state.sites[names["mlp"]]
     assert np.all(site.amax_history[:, :3] > 0) and not np.any(site.amax_history[:, 3])
     # the scale is fmax over the history's largest amax
-    want = fp8._FMAX / np.max(np.asarray(site.amax_history), axis=1)
+    want = fp8_formats._FMAX / np.max(np.asarray(site.amax_history), axis=1)
     np.testing.assert_allclose(site.scale, want, rtol=1e-6)
     reported = metrics["fp8"]
     assert len(reported) == 3 and set(reported) <= set(state.fp8_state.sites)
@@ -511,7 +513,7 @@ def test_a_fresh_delayed_state_measures_on_its_first_step_and_skips_it(lm_setup,
         np.testing.assert_array_equal(a, b)
     site = first.fp8_state.sites[names["mlp"]]
     assert np.all(site.amax_history[:, 0] > 0) and not np.any(site.amax_history[:, 1:])
-    np.testing.assert_allclose(site.scale, fp8._FMAX / site.amax_history[:, 0], rtol=1e-6)
+    np.testing.assert_allclose(site.scale, fp8_formats._FMAX / site.amax_history[:, 0], rtol=1e-6)
     assert not bool(fp8.measuring(first.fp8_state))
     assert all(np.array_equal(r, np.zeros(3)) for r in metrics[FP8_SATURATION].values())
     second, metrics = step(first, _tokens(1), jax.random.key(1))
@@ -575,7 +577,7 @@ def test_a_calibrating_first_step_records_true_amaxes_and_applies_where_measurin
         want = current.fp8_state.sites[name].amax_history[:, 0]
         np.testing.assert_array_equal(site.amax_history[:, 0], want)
         assert np.all(np.asarray(want) > 0) and not np.any(site.amax_history[:, 1:])
-        np.testing.assert_allclose(site.scale, fp8._FMAX / want, rtol=1e-6)
+        np.testing.assert_allclose(site.scale, fp8_formats._FMAX / want, rtol=1e-6)
 
     # The next (plain, applied) step: from the calibrated state every weight moves; from the
     # measured one, those behind a zero-recorded gradient scale get their gradient flushed.
@@ -613,7 +615,7 @@ def test_a_calibrating_step_fills_a_site_that_joined_a_state_with_history():
     assert not np.array_equal(kernel(calibrated), kernel(state))
     site = calibrated.fp8_state.sites[joined]
     assert np.all(np.asarray(site.amax_history[:, 0]) > 0)
-    np.testing.assert_allclose(site.scale, fp8._FMAX / site.amax_history[:, 0], rtol=1e-6)
+    np.testing.assert_allclose(site.scale, fp8_formats._FMAX / site.amax_history[:, 0], rtol=1e-6)
     # the sites that had a history took this step's amaxes in, as a delayed step does
     other = next(iter(kept))
     np.testing.assert_array_equal(
@@ -983,6 +985,6 @@ def test_a_weight_made_of_weights_is_a_weight_and_their_product_stays_bf16():
 
 
 def test_representative_sites_are_first_middle_last_in_natural_order():
-    sites = {f"Block_{i}/Dense_0/dot_general": fp8._new_site(1) for i in range(12)}
+    sites = {f"Block_{i}/Dense_0/dot_general": fp8_state_lib._new_site(1) for i in range(12)}
     picked = fp8.representative(fp8.Fp8State(sites), 3)
     assert [p.split("/")[0] for p in picked] == ["Block_0", "Block_6", "Block_11"]

@@ -353,7 +353,7 @@ def test_train_step_attribution_depth_zero_is_the_single_flag():
 def test_step_warns_once_about_float16_without_a_loss_scale(monkeypatch):
     import warnings
 
-    from jamp import step as step_lib
+    from jamp.step import _float16 as step_lib
 
     monkeypatch.setattr(step_lib, "_WARNED_UNSCALED", [])
     model = jamp.wrap(nn.Dense(4), "mixed_float16")
