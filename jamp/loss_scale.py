@@ -13,6 +13,7 @@ Example:
 """
 
 import dataclasses
+import inspect
 import math
 from typing import Any, TypeVar, Union
 
@@ -26,9 +27,6 @@ from jamp import grad_stats
 from jamp.precision import PolicyLike, get_policy
 
 T = TypeVar("T")
-
-# Marks a constructor call that starts from scratch rather than rebuilding existing state.
-_FRESH = object()
 
 
 def _multiply(tree: T, factor: jax.Array) -> T:
@@ -131,89 +129,35 @@ class StaticLossScale:
         return self
 
 
-def _is_whole(value) -> bool:
-    """A whole number as jmp takes one: an int, an integral float (`period=5.`), or a numpy / JAX
-    integer scalar; not a bool."""
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, (int, np.integer)):
-        return True
-    if isinstance(value, (float, np.floating)):
-        return math.isfinite(value) and float(value).is_integer()
-    if isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) == 0:
-        try:
-            return jnp.issubdtype(value.dtype, jnp.integer) and not isinstance(
-                value, jax.core.Tracer
-            )
-        except TypeError:
-            return False
-    return False
-
-
-def _check_config(scale, growth_interval, growth_factor, backoff_factor, hysteresis, lo, hi):
-    def bad(message):
-        return ValueError(f"DynamicLossScale: {message}")
-
-    for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
-        if not _is_whole(value) or value < 1:
-            raise bad(f"{name} must be an int >= 1 (or a whole float, as jmp takes), got {value!r}")
-    for name, value in (
-        ("growth_factor", growth_factor),
-        ("backoff_factor", backoff_factor),
-        ("min_loss_scale", lo),
-        ("max_loss_scale", hi),
-    ):
-        if not _is_number(value):
-            raise bad(f"{name} must be a Python number, got {value!r}")
-    if not growth_factor > 1:
-        raise bad(f"growth_factor must be > 1, got {growth_factor}")
-    if not 0 < backoff_factor < 1:
-        raise bad(f"backoff_factor must be in (0, 1), got {backoff_factor}")
-    if jnp.shape(scale) != ():
-        raise bad(f"loss_scale must be a scalar, got shape {jnp.shape(scale)}")
-    if not 0 < lo <= hi < math.inf:
-        raise bad(
-            f"need 0 < min_loss_scale <= max_loss_scale < inf (min_loss_scale=0 means no floor), "
-            f"got {lo}, {hi}"
-        )
-    for name, value in (("min_loss_scale", lo), ("max_loss_scale", hi)):
-        if not _positive_finite_in_fp32(value):
-            raise bad(
-                f"{name} must be a normal fp32 number (between {_FP32_TINY:.4g} and "
-                f"{_FP32_MAX:.4g}), got {value}"
-            )
-    try:
-        value = float(scale)
-    except jax.errors.ConcretizationTypeError:
-        return  # Built inside a trace: the value cannot be read, the bounds were checked.
-    if not lo <= value <= hi:
-        raise bad(f"need min_loss_scale <= loss_scale <= max_loss_scale, got {lo}, {value}, {hi}")
-
-
 _DEFAULT_MAX = 2.0**24
 
 
+def _error(message: str) -> ValueError:
+    return ValueError(f"DynamicLossScale: {message}")
+
+
+def _is_whole(value: Any) -> bool:
+    """An int, a whole float (jmp takes `period=5.`) or a concrete integer scalar; not a bool."""
+    if isinstance(value, (float, np.floating)):
+        return math.isfinite(value) and float(value).is_integer()
+    if isinstance(value, (np.ndarray, jax.Array)) and not isinstance(value, jax.core.Tracer):
+        return np.ndim(value) == 0 and jnp.issubdtype(value.dtype, jnp.integer)
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def _resolve_jmp_names(period, factor, growth_interval, growth_factor, backoff_factor):
-    """jamp's (growth_interval, growth_factor, backoff_factor) from either naming.
-
-    jmp's `period` is `growth_interval`; its `factor` grows by `factor` and backs off by
-    `1 / factor`. Giving one setting under both names is an error, not a silent choice.
-    """
-
-    def both(jmp_name, own_names):
-        return ValueError(
-            f"DynamicLossScale: give {jmp_name} (jmp's name) or {own_names}, not both"
-        )
-
+    """jamp's (growth_interval, growth_factor, backoff_factor) from either naming: jmp's `period`
+    is `growth_interval`; its `factor` grows by `factor` and backs off by `1 / factor`. One
+    setting under both names is an error, not a silent choice."""
     if period is not None:
         if growth_interval is not None:
-            raise both("period", "growth_interval")
+            raise _error("give period (jmp's name) or growth_interval, not both")
         growth_interval = period
     if factor is not None:
         if growth_factor is not None or backoff_factor is not None:
-            raise both("factor", "growth_factor / backoff_factor")
+            raise _error("give factor (jmp's name) or growth_factor / backoff_factor, not both")
         if not _is_number(factor) or not factor > 1:
-            raise ValueError(f"DynamicLossScale: factor must be a number > 1, got {factor!r}")
+            raise _error(f"factor must be a number > 1, got {factor!r}")
         growth_factor, backoff_factor = factor, 1.0 / factor
     return (
         2000 if growth_interval is None else growth_interval,
@@ -222,38 +166,101 @@ def _resolve_jmp_names(period, factor, growth_interval, growth_factor, backoff_f
     )
 
 
-def _static_number(name: str, value: Any) -> Any:
-    """A concrete 0-d array (jmp keeps `min_loss_scale` as one) as a Python float; a traced one
-    is an error, since the bound is static configuration."""
-    if isinstance(value, (np.ndarray, np.generic, jax.Array)) and np.ndim(value) == 0:
-        try:
-            return float(value)
-        except jax.errors.ConcretizationTypeError:
-            raise ValueError(
-                f"DynamicLossScale: {name} must be a concrete number (it is static "
-                "configuration), got a traced value"
-            ) from None
-    return value
-
-
-def _default_max(loss_scale: Any) -> float:
-    """2**24, or a larger concrete initial scale (jmp has no upper bound: a jmp call starting
-    above 2**24 keeps working; the scale then never grows past where it started)."""
+def _check_config(scale, growth_interval, growth_factor, backoff_factor, hysteresis, lo, hi):
+    """Raises a one-line ValueError naming the first bad setting and what it accepts."""
+    for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
+        if not _is_whole(value) or value < 1:
+            raise _error(
+                f"{name} must be an int >= 1 (or a whole float, as jmp takes), got {value!r}"
+            )
+    bounds = {"min_loss_scale": lo, "max_loss_scale": hi}
+    numbers = {"growth_factor": growth_factor, "backoff_factor": backoff_factor, **bounds}
+    for name, value in numbers.items():
+        if not _is_number(value):
+            raise _error(f"{name} must be a Python number, got {value!r}")
+    if not growth_factor > 1:
+        raise _error(f"growth_factor must be > 1, got {growth_factor}")
+    if not 0 < backoff_factor < 1:
+        raise _error(f"backoff_factor must be in (0, 1), got {backoff_factor}")
+    if jnp.shape(scale) != ():
+        raise _error(f"loss_scale must be a scalar, got shape {jnp.shape(scale)}")
+    if not 0 < lo <= hi < math.inf:
+        raise _error(
+            "need 0 < min_loss_scale <= max_loss_scale < inf (min_loss_scale=0 means no floor), "
+            f"got {lo}, {hi}"
+        )
+    for name, value in bounds.items():
+        if not _positive_finite_in_fp32(value):
+            raise _error(
+                f"{name} must be a normal fp32 number (between {_FP32_TINY:.4g} and "
+                f"{_FP32_MAX:.4g}), got {value}"
+            )
     try:
-        value = float(loss_scale)
-    except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
-        return _DEFAULT_MAX
-    # A scale past fp32's range stays an error, reported as the scale's (by _check_config).
-    return max(_DEFAULT_MAX, value) if _positive_finite_in_fp32(value) else _DEFAULT_MAX
+        value = float(scale)
+    except jax.errors.ConcretizationTypeError:
+        return  # Built inside a trace: the value cannot be read, the bounds were checked.
+    if not lo <= value <= hi:
+        raise _error(
+            f"need min_loss_scale <= loss_scale <= max_loss_scale, got {lo}, {value}, {hi}"
+        )
+
+
+def _checked_fields(
+    loss_scale: Any = 2.0**16,
+    counter: Any = 0,
+    period: int | None = None,
+    factor: float | None = None,
+    min_loss_scale: Any = 1.0,
+    *,
+    growth_interval: int | None = None,
+    growth_factor: float | None = None,
+    backoff_factor: float | None = None,
+    hysteresis: int = 1,
+    max_loss_scale: float | None = None,
+    hysteresis_left: Any = None,
+) -> dict[str, Any]:
+    """The fields of the scale that a user's call (jmp's arguments, jamp's or both) asks for."""
+    growth_interval, growth_factor, backoff_factor = _resolve_jmp_names(
+        period, factor, growth_interval, growth_factor, backoff_factor
+    )
+    lo, hi = min_loss_scale, max_loss_scale
+    if isinstance(lo, (np.ndarray, np.generic, jax.Array)) and np.ndim(lo) == 0:
+        try:  # jmp keeps min_loss_scale as a 0-d array
+            lo = float(lo)
+        except jax.errors.ConcretizationTypeError:
+            raise _error(
+                "min_loss_scale must be a concrete number (it is static configuration), "
+                "got a traced value"
+            ) from None
+    lo = _FP32_TINY if _is_number(lo) and lo == 0 else lo  # jmp's "no floor"
+    if hi is None:  # 2**24, or a larger initial scale: jmp's scale has no upper bound
+        try:
+            hi = max(_DEFAULT_MAX, float(loss_scale))
+        except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
+            hi = _DEFAULT_MAX
+        # A scale past fp32's range stays an error, reported as the scale's.
+        hi = hi if _positive_finite_in_fp32(hi) else _DEFAULT_MAX
+    _check_config(loss_scale, growth_interval, growth_factor, backoff_factor, hysteresis, lo, hi)
+    left = hysteresis if hysteresis_left is None else hysteresis_left
+    return dict(
+        loss_scale=jnp.asarray(loss_scale, jnp.float32),
+        counter=jnp.asarray(counter, jnp.int32),
+        hysteresis_left=jnp.asarray(left, jnp.int32),
+        growth_interval=int(growth_interval),
+        growth_factor=float(growth_factor),
+        backoff_factor=float(backoff_factor),
+        hysteresis=int(hysteresis),
+        min_loss_scale=float(lo),
+        max_loss_scale=float(hi),
+    )
 
 
 @struct.dataclass
 class DynamicLossScale:
     """A loss scale that grows while gradients stay finite and backs off when they overflow.
 
-    Update rule of `adjust(grads_finite)` (Megatron's hysteresis; with `hysteresis=1` it is
-    PyTorch's GradScaler, which grows on the `growth_interval`-th finite step, exactly so for
-    power-of-two factors such as its defaults)::
+    `adjust(grads_finite)` is Megatron's rule; with `hysteresis=1`, PyTorch's GradScaler (which
+    grows on the `growth_interval`-th finite step; exactly so for power-of-two factors)::
 
       if grads_finite:
         counter += 1
@@ -268,23 +275,19 @@ class DynamicLossScale:
           loss_scale = max(loss_scale * backoff_factor, min_loss_scale)
           # (loss_scale / growth_factor when backoff_factor == 1 / growth_factor, as jmp)
 
-    Leaves (state): `loss_scale` (fp32 scalar, whatever dtype it was given in, since fp16
-    cannot hold 2**16), `counter` and `hysteresis_left` (int32 scalars; the latter is stored
-    clamped at 0, which changes no decision). Everything else is
-    static configuration. The constructor validates a fresh scale; when JAX rebuilds one
-    (unflatten, `replace`, checkpoint restore, both state keywords given) nothing is checked.
+    The leaves are the state: `loss_scale` (fp32 whatever it is given in: fp16 cannot hold
+    2**16), `counter` and `hysteresis_left` (int32; the latter stored clamped at 0, which
+    changes no decision). The other fields are static settings.
 
-    The constructor takes jmp's `DynamicLossScale` arguments, positionally and by keyword, with
-    jmp's meaning: `DynamicLossScale(loss_scale, counter, period, factor, min_loss_scale)`
-    grows by `factor` every `period` finite steps and backs off by `1 / factor`; `.period` and
-    `.factor` read them back. jamp's own settings are keyword-only. Each setting takes one of
-    its two names (`period` or `growth_interval`, `factor` or `growth_factor` /
-    `backoff_factor`); both is an error.
+    The call takes jmp's arguments, positionally or by keyword and with jmp's meaning (it grows
+    by `factor` every `period` finite steps and backs off by `1 / factor`; `.period` and
+    `.factor` read them back), and jamp's own settings by keyword; a setting takes one of its two
+    names, not both. It checks every setting, except in a call that names every field by
+    keyword, which is how JAX, `replace` and `flax.serialization` rebuild a scale.
 
     Args:
       loss_scale: initial scale.
-      counter: finite steps since the last growth or overflow (jmp's second argument); 0 for a
-        fresh scale.
+      counter: finite steps since the last growth or overflow (jmp's second argument); 0.
       period: jmp's name for `growth_interval`.
       factor: jmp's single factor: `growth_factor=factor`, `backoff_factor=1 / factor`.
       min_loss_scale: lower bound, > 0 (a Python number or a concrete 0-d array, as jmp's);
@@ -295,12 +298,11 @@ class DynamicLossScale:
       backoff_factor: backoff multiplier, in (0, 1) (0.5).
       hysteresis: overflows tolerated before a backoff (int >= 1; 1).
       max_loss_scale: upper bound, < inf; by default 2**24, or the initial scale if larger.
-      hysteresis_left: with `counter`, state to restore; omit it for a fresh scale.
+      hysteresis_left: with `counter`, state to restore; `hysteresis` for a fresh scale.
 
     Example:
       >>> ls = DynamicLossScale(2.0**15, growth_interval=100)
-      >>> ls = ls.adjust(jnp.array(False))
-      >>> float(ls.loss_scale)
+      >>> float(ls.adjust(jnp.array(False)).loss_scale)
       16384.0
     """
 
@@ -314,89 +316,33 @@ class DynamicLossScale:
     min_loss_scale: float = struct.field(pytree_node=False, default=1.0)
     max_loss_scale: float = struct.field(pytree_node=False, default=2.0**24)
 
-    def __init__(
-        self,
-        loss_scale: Any = 2.0**16,
-        counter: Any = _FRESH,
-        period: int | None = None,
-        factor: float | None = None,
-        min_loss_scale: Any = 1.0,
-        *,
-        growth_interval: int | None = None,
-        growth_factor: float | None = None,
-        backoff_factor: float | None = None,
-        hysteresis: int = 1,
-        max_loss_scale: float | None = None,
-        hysteresis_left: Any = _FRESH,
-    ):
-        growth_interval, growth_factor, backoff_factor = _resolve_jmp_names(
-            period, factor, growth_interval, growth_factor, backoff_factor
-        )
-        fresh = counter is _FRESH or hysteresis_left is _FRESH
-        if fresh:
-            # Only a user's call gets here, so converting and reading values is safe.
-            min_loss_scale = _static_number("min_loss_scale", min_loss_scale)
-            if _is_number(min_loss_scale) and min_loss_scale == 0:  # jmp's "no floor"
-                min_loss_scale = _FP32_TINY
-            if max_loss_scale is None:
-                max_loss_scale = _default_max(loss_scale)
-            _check_config(
-                loss_scale,
-                growth_interval,
-                growth_factor,
-                backoff_factor,
-                hysteresis,
-                min_loss_scale,
-                max_loss_scale,
-            )
-            growth_interval, hysteresis = int(growth_interval), int(hysteresis)
-            growth_factor, backoff_factor = float(growth_factor), float(backoff_factor)
-            min_loss_scale, max_loss_scale = float(min_loss_scale), float(max_loss_scale)
-            loss_scale = jnp.asarray(loss_scale, jnp.float32)
-            if counter is _FRESH:
-                counter = jnp.zeros((), jnp.int32)
-            else:
-                counter = jnp.asarray(counter, jnp.int32)
-            if hysteresis_left is _FRESH:
-                hysteresis_left = jnp.asarray(hysteresis, jnp.int32)
-        elif max_loss_scale is None:
-            max_loss_scale = _DEFAULT_MAX
-        for name, value in (
-            ("loss_scale", loss_scale),
-            ("counter", counter),
-            ("hysteresis_left", hysteresis_left),
-            ("growth_interval", growth_interval),
-            ("growth_factor", growth_factor),
-            ("backoff_factor", backoff_factor),
-            ("hysteresis", hysteresis),
-            ("min_loss_scale", min_loss_scale),
-            ("max_loss_scale", max_loss_scale),
-        ):
+    __signature__ = inspect.signature(_checked_fields).replace(
+        return_annotation=inspect.Signature.empty
+    )
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Not the dataclass's: jmp's third positional argument is `period`, not `hysteresis_left`.
+        if args or kwargs.keys() != _FIELDS:  # a user's call, not a rebuild
+            kwargs = _checked_fields(*args, **kwargs)
+        for name, value in kwargs.items():
             object.__setattr__(self, name, value)
 
     @classmethod
     def from_flax(cls, dynamic_scale: Any) -> "DynamicLossScale":
-        """The same schedule and state as a `flax.training.dynamic_scale.DynamicScale`.
+        """The schedule and state of a `flax.training.dynamic_scale.DynamicScale`.
 
-        Flax grows on the finite step after `growth_interval` finite ones (its counter must
-        equal the interval before a finite step grows), so its interval N is jamp's N + 1;
-        `fin_steps` is jamp's `counter`; no `minimum_scale` (None) is fp32's smallest normal
+        Flax grows on the finite step after `growth_interval` finite ones, so its interval N is
+        jamp's N + 1; `fin_steps` is `counter`; no `minimum_scale` is fp32's smallest normal
         number; Flax's growth stops at fp32's largest, which becomes `max_loss_scale`.
-
-        Example:
-          >>> from flax.training.dynamic_scale import DynamicScale
-          >>> DynamicLossScale.from_flax(DynamicScale(growth_interval=10)).growth_interval
-          11
         """
         ds = dynamic_scale
-        minimum = ds.minimum_scale
         return cls(
             ds.scale,
             counter=ds.fin_steps,
             growth_interval=int(ds.growth_interval) + 1,
             growth_factor=ds.growth_factor,
             backoff_factor=ds.backoff_factor,
-            min_loss_scale=_FP32_TINY if minimum is None else minimum,
+            min_loss_scale=_FP32_TINY if ds.minimum_scale is None else ds.minimum_scale,
             max_loss_scale=_FP32_MAX,
         )
 
@@ -432,12 +378,10 @@ class DynamicLossScale:
         back_off = ~finite & (left_after_overflow <= 0)
         scale = self.loss_scale
         scale = jnp.where(grow, jnp.minimum(scale * self.growth_factor, self.max_loss_scale), scale)
-        if self.backoff_factor == 1.0 / self.growth_factor:
-            # jmp's single factor: it divides, which differs from multiplying by the rounded
-            # reciprocal in the last bit unless the factor is a power of two.
-            backed_off = scale / self.growth_factor
-        else:
-            backed_off = scale * self.backoff_factor  # as GradScaler
+        # jmp's single factor divides (multiplying by its rounded reciprocal would differ in the
+        # last bit unless it is a power of two); other factors multiply, as GradScaler.
+        jmp_factor = self.backoff_factor == 1.0 / self.growth_factor
+        backed_off = scale / self.growth_factor if jmp_factor else scale * self.backoff_factor
         scale = jnp.where(back_off, jnp.maximum(backed_off, self.min_loss_scale), scale)
         counter = jnp.where(finite & ~grow, counter, 0)
         left = jnp.where(finite, self.hysteresis_left, left_after_overflow)
@@ -449,6 +393,10 @@ class DynamicLossScale:
             counter=counter.astype(jnp.int32),
             hysteresis_left=left.astype(jnp.int32),
         )
+
+
+# The call with which JAX, `replace` and flax.serialization rebuild a scale names all of these.
+_FIELDS = {field.name for field in dataclasses.fields(DynamicLossScale)}
 
 
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
