@@ -26,6 +26,7 @@ import pytest
 from subproc import cli_env, forked_cli, recipe_state
 
 from jamp import hardware
+from jamp.fp8 import formats as fp8_formats
 from jamp.train.checkpoint import Checkpointer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -387,14 +388,14 @@ def test_an_fp8_promotion_rebuilds_the_fp8_state_and_resumes_bit_exactly(tmp_pat
 
 
 def _restored(workdir, data_dir, flags, step):
-    from jamp.train import loop
+    from jamp.train import fp8_sites
 
     overrides = {k: v for k, v in flags.items() if k not in ("adaptive_precision", "adaptive.k")}
     overrides.update(adaptive_precision=True, model_config={"hidden_gain": 1e39})
     overrides.update(activations="compute", **{"adaptive.k": int(flags["adaptive.k"])})
     target = recipe_state(data_dir, overrides)
     with Checkpointer(workdir / "checkpoints") as ckpt:
-        return ckpt.restore(target, step=step, fit=loop._Fp8Sites(None, None, adaptive=True))
+        return ckpt.restore(target, step=step, fit=fp8_sites.Fp8Sites(None, None, adaptive=True))
 
 
 @pytest.mark.parametrize("parallelism", ["pmap", "sharded"])
@@ -403,7 +404,7 @@ def test_the_fp8_state_follows_a_promotion_and_a_demotion_placed_like_the_rest(
 ):
     from jamp import parallel, sharding
     from jamp.precision import get_policy
-    from jamp.train import adapting, loop
+    from jamp.train import adapting, fp8_sites, loop
 
     config = runpy.run_path(str(ROOT / "configs" / "default.py"))["get_config"]()
     config.update(data_dir=str(data_dir), policy="mixed_fp8", parallelism=parallelism)
@@ -420,11 +421,11 @@ def test_the_fp8_state_follows_a_promotion_and_a_demotion_placed_like_the_rest(
         else parallel.replicate(host)
     )
     promoted = adapting.rewrap(model, {"Dense_0": get_policy("mixed_bfloat16")})
-    fp8_state, added = loop._fp8_after_promotion(run, promoted, dataset.info, state)
+    fp8_state, added = fp8_sites.after_promotion(run, promoted, dataset.info, state)
     state = state.replace(fp8_state=fp8_state)
     assert state.fp8_state.sites == {} and not added
     # back in fp8 (a demotion): the site is fresh, and replicated as every fp8 site is
-    fp8_state, added = loop._fp8_after_promotion(run, model, dataset.info, state)
+    fp8_state, added = fp8_sites.after_promotion(run, model, dataset.info, state)
     state = state.replace(fp8_state=fp8_state)
     assert added  # the loop's next step is a calibrating one
     (site,) = state.fp8_state.sites.values()
@@ -457,4 +458,4 @@ def test_the_fp8_state_follows_a_promotion_and_a_demotion_placed_like_the_rest(
     newest = np.asarray(site.amax_history)[:, 0]
     assert np.all(newest > 0) and int(host.skipped_steps) == 0
     assert host.fp8_state.recipe == "delayed"
-    np.testing.assert_allclose(np.asarray(site.scale), fp8._FMAX / newest, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(site.scale), fp8_formats._FMAX / newest, rtol=1e-6)

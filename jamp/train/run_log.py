@@ -14,12 +14,12 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from jamp import fp8, hardware, precision
+from jamp import fp8, hardware, lowbit, precision
 from jamp.inspect.overflow import forward_nonfinite
 from jamp.inspect.profile import profile_steps
 from jamp.precision import auto_reason
 from jamp.train import tasks
-from jamp.train.metrics import MetricWriter, mean_metrics
+from jamp.train.metrics import MetricWriter, mean_metrics, peak_memory_mib
 from jamp.train.overflow_watch import (
     OverflowLog,
     OverflowWatch,
@@ -247,3 +247,58 @@ class Log:
         self.writer.write(step, record, kind="train")
         show_progress(self.bar, step, record, counts)
         watch_overflow(self.overflow, fetched, step, self.run, self.bar, self.adapt)
+
+
+def _fp8_summary(run, state) -> str:
+    recipe, history, margin = run.fp8
+    sites = len(state.fp8_state.sites) if fp8.uses_state(state.fp8_state) else 0
+    how = "current"
+    if recipe == "delayed":
+        how = f"delayed (amax history {history})"
+    return (
+        f"{how}, margin {margin:g}, {sites} fp8 matmuls; output head, embedding and "
+        "convolutions bf16"
+    )
+
+
+def summary(run, task, state, step, eval_metrics, window, dataset, t_begin) -> dict:
+    """The run's summary table: what ran, how far, how fast, in how much memory."""
+    metric = "perplexity" if task == "lm" else "accuracy"
+    memory = peak_memory_mib()
+    if run.parallelism == "sharded":
+        axes = ", ".join(f"{a}={n}" for a, n in run.mesh.shape.items())
+        parallelism = f"sharded jit, mesh {axes}"
+    else:
+        parallelism = f"pmap over {jax.device_count()} devices"
+    return {
+        "policy": precision.describe(run.policy),
+        "parallelism": parallelism,
+        "loss scale": type(run.loss_scale).__name__,
+        **({"fp8 scaling": _fp8_summary(run, state)} if run.fp8 else {}),
+        "steps": step,
+        "skipped steps": int(state.skipped_steps),
+        "final loss scale": float(state.loss_scale.loss_scale),
+        f"eval {metric}": eval_metrics.get(metric),
+        "throughput (examples/s)": (
+            round(window.steps_timed * run.batch_size / window.time_timed, 1)
+            if window.time_timed
+            else None
+        ),
+        "wall time (s)": round(time.perf_counter() - t_begin, 1),
+        "peak memory (MiB)": memory,
+        "state bytes per param": state_bytes(run, state),
+    }
+
+
+def state_bytes(run, state) -> str:
+    """Params and optimizer state per parameter (gradients not included), e.g. "12.00 (params
+    4.00, optimizer 8.00)"; with 16-bit params, how their updates are rounded."""
+    per = lowbit.bytes_per_param(state)
+    copies = f", 16-bit copies {per['copies']:.2f}" if per["copies"] else ""
+    text = (
+        f"{per['total']:.2f} (params {per['params']:.2f}{copies}, optimizer {per['opt_state']:.2f})"
+    )
+    param_dtype = np.dtype(run.policy.param_dtype)
+    if param_dtype != np.float32:
+        text += f"; {param_dtype.name} params, {run.param_rounding} rounding"
+    return text

@@ -8,6 +8,8 @@ import dataclasses
 from typing import Callable
 
 import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jamp import fp8, parallel, sharding
 
@@ -100,3 +102,14 @@ class Steps:
         self.placement = place_steps(self._run, self._make_step, self._make_eval, state)
         self.calibrate = calibrate
         self._compiled_at = step + 1
+
+
+def replicated(run, tree):
+    """`tree` (host values of replicated state: a loss scale, fp8 sites) placed as the state
+    holds such values: replicated under pmap; replicated over the mesh when sharded (every
+    process holds the same values, so this works across processes, where copying the whole
+    state through the host would not)."""
+    if run.parallelism != "sharded":
+        return parallel.replicate(tree)
+    replicated = NamedSharding(run.mesh, PartitionSpec())
+    return jax.device_put(jax.tree.map(np.asarray, tree), replicated)
