@@ -251,13 +251,13 @@ HloModule jit_train_step, is_scheduled=true, entry_computation_layout={(f32[8,16
 
 %fused_convert (param_0.1: f32[8,16]) -> bf16[8,16] {
   %param_0.1 = f32[8,16]{1,0} parameter(0)
-  ROOT %convert.5.1 = bf16[8,16]{1,0} convert(%param_0.1), metadata={op_name="jit(train_step)/jit(main)/jvp(Wrapped.apply)/_Proj/proj/convert_element_type" source_file="/work/main/jamp/mixed_ops.py" source_line=53}
+  ROOT %convert.5.1 = bf16[8,16]{1,0} convert(%param_0.1), metadata={op_name="jit(train_step)/jit(main)/jvp(Wrapped.apply)/_Proj/proj/convert_element_type" source_file="/home/user/jamp/jamp/mixed_ops.py" source_line=53}
 }
 
 %gemm_fusion_dot_general.3_computation (parameter_0: bf16[4,8], parameter_1: bf16[4,16]) -> f32[8,16] {
   %parameter_0 = bf16[4,8]{1,0} parameter(0)
   %parameter_1 = bf16[4,16]{1,0} parameter(1)
-  ROOT %dot_general.3 = f32[8,16]{1,0} dot(%parameter_0, %parameter_1), lhs_contracting_dims={0}, rhs_contracting_dims={0}, metadata={op_name="jit(train_step)/jit(main)/transpose(jvp(Wrapped.apply))/_Proj/proj/dot_general" source_file="/work/main/jamp/mixed_ops.py" source_line=131}
+  ROOT %dot_general.3 = f32[8,16]{1,0} dot(%parameter_0, %parameter_1), lhs_contracting_dims={0}, rhs_contracting_dims={0}, metadata={op_name="jit(train_step)/jit(main)/transpose(jvp(Wrapped.apply))/_Proj/proj/dot_general" source_file="/home/user/jamp/jamp/mixed_ops.py" source_line=131}
 }
 
 ENTRY %main.52 (Arg_0.1: f32[8,16], Arg_1.2: f32[4,8]) -> f32[8,16] {
@@ -265,7 +265,7 @@ ENTRY %main.52 (Arg_0.1: f32[8,16], Arg_1.2: f32[4,8]) -> f32[8,16] {
   %Arg_1.2 = f32[4,8]{1,0} parameter(1), metadata={op_name="x"}
   %convert_fusion = bf16[8,16]{1,0} fusion(%Arg_0.1), kind=kLoop, calls=%fused_convert
   %convert.2 = bf16[4,8]{1,0} convert(%Arg_1.2), metadata={op_name="jit(train_step)/jit(main)/jvp(Wrapped.apply)/_Proj/proj/convert_element_type"}
-  %cublas-gemm.1 = (f32[4,16]{1,0}, s8[4194304]{0}) custom-call(%convert.2, %convert_fusion), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(train_step)/jit(main)/jvp(Wrapped.apply)/_Proj/proj/dot_general" source_file="/work/main/jamp/mixed_ops.py" source_line=131}, backend_config={"operation_queue_id":"0","wait_on_operation_queues":[],"gemm_backend_config":{"alpha_real":1,"alpha_imag":0,"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]},"precision_config":{"operand_precision":["DEFAULT","DEFAULT"],"algorithm":"ALG_UNSET"},"epilogue":"DEFAULT","lhs_stride":"32","rhs_stride":"128","grad_x":false,"grad_y":false,"damax_output":false},"force_earliest_schedule":false}
+  %cublas-gemm.1 = (f32[4,16]{1,0}, s8[4194304]{0}) custom-call(%convert.2, %convert_fusion), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(train_step)/jit(main)/jvp(Wrapped.apply)/_Proj/proj/dot_general" source_file="/home/user/jamp/jamp/mixed_ops.py" source_line=131}, backend_config={"operation_queue_id":"0","wait_on_operation_queues":[],"gemm_backend_config":{"alpha_real":1,"alpha_imag":0,"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]},"precision_config":{"operand_precision":["DEFAULT","DEFAULT"],"algorithm":"ALG_UNSET"},"epilogue":"DEFAULT","lhs_stride":"32","rhs_stride":"128","grad_x":false,"grad_y":false,"damax_output":false},"force_earliest_schedule":false}
   %get-tuple-element.1 = f32[4,16]{1,0} get-tuple-element(%cublas-gemm.1), index=0
   %bitcast.5 = bf16[4,16]{1,0} bitcast(%get-tuple-element.1)
   ROOT %gemm_fusion_dot_general.3 = f32[8,16]{1,0} fusion(%convert.2, %bitcast.5), kind=kCustom, calls=%gemm_fusion_dot_general.3_computation, metadata={op_name="jit(train_step)/jit(main)/transpose(jvp(Wrapped.apply))/_Proj/proj/dot_general"}, backend_config={"operation_queue_id":"0","wait_on_operation_queues":[],"fusion_backend_config":{"kind":"__triton_gemm","triton_gemm_config":{"block_m":"16","block_n":"16","block_k":"32","split_k":"1","num_stages":"1","num_warps":"2","num_ctas":"1"}},"force_earliest_schedule":false}

@@ -44,8 +44,8 @@ class Rates:
     attention: float
 
 
-#: Fitted to the three JAX rows measured on one H200 (research/gpu_h200.md: Hugging Face GPT-2
-#: small, batch 8 x 1024, AdamW; TF32 52.63 ms, HF's own bf16 build 27.21 ms, jamp.wrap
+#: Fitted to the three JAX rows measured on one H200 (docs/results.md, "On an H200": Hugging
+#: Face GPT-2 small, batch 8 x 1024, AdamW; TF32 52.63 ms, HF's own bf16 build 27.21 ms, jamp.wrap
 #: mixed_bfloat16 24.55 ms; jax 0.11.2) with those programs compiled here for an H200
 #: (experiments/gpu_estimate.py --calibrate; its results file gives each row's error). One
 #: constant is fitted, the launch cost: 5.6 us, the fixed cost per call that XLA's own matmul
