@@ -10,17 +10,30 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import subprocess
 import sys
 from collections.abc import Sequence
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "experiments" / "results"
+from _harness import ROOT
+
 # float32; the mixed policies (fp32 params, 16-bit compute; fp16 with jamp's default dynamic loss
 # scale); and all-bf16 ("bfloat16": params, compute and output bf16; since 2026-12-03 the params
 # take a float32 update rounded stochastically, see accuracy_master_weights.py).
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16", "bfloat16")
+
+
+def train(
+    flags: Sequence[str], workdir: pathlib.Path, config: str | None = None
+) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """`python -m jamp.train` of `config` (None: the program's default recipe) with `flags`, from
+    the checkout's root: the finished process and its metrics.jsonl ([] where it wrote none)."""
+    cmd = [sys.executable, "-m", "jamp.train"] + ([f"--config={config}"] if config else [])
+    cmd += [f"--workdir={workdir}", *flags]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    found = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return out, found
 
 
 def run(
@@ -38,20 +51,18 @@ def run(
 
     `overrides` are further `--config.<field>=<value>` flags, the same for every policy.
     """
-    cmd = [sys.executable, "-m", "jamp.train"] + ([f"--config={config}"] if config else [])
-    cmd += [
+    flags = [
         f"--config.policy={policy}", f"--config.seed={seed}",
         f"--config.num_train_steps={steps}", f"--config.log_every_steps={log_every}",
-        f"--workdir={workdir}", f"--config.activations={activations}", *overrides,
+        f"--config.activations={activations}", *overrides,
     ]  # fmt: skip
     if data_dir:
-        cmd.append(f"--config.data_dir={data_dir}")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        flags.append(f"--config.data_dir={data_dir}")
+    out, found = train(flags, workdir, config)
     if out.returncode:
         raise SystemExit(f"{policy} seed {seed} failed:\n{out.stderr[-2000:]}")
     (workdir / "stdout.txt").write_text(out.stdout)  # the run's log and summary table
-    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return found
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,31 +71,17 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--activations", default="auto", help="--config.activations of every run")
 
 
+def run_options(args: argparse.Namespace) -> str:
+    """Those of `add_run_arguments`' options a command line set, as it set them (for the record)."""
+    text = f" --data_dir {args.data_dir}" if args.data_dir else ""
+    return text + (f" --activations {args.activations}" if args.activations != "auto" else "")
+
+
 def records(run_records: list[dict], kind: str) -> list[dict]:
     """The "train" or "eval" records of one run, in step order."""
     return [r for r in run_records if r["kind"] == kind]
 
 
-def versions(*packages: str) -> str:
-    """ "Python 3.11.7, jax 0.10.2, ..." for the installed `packages` (without importing them)."""
-    from importlib import metadata
-
-    parts = [f"Python {platform.python_version()}"]
-    for name in packages:
-        try:
-            parts.append(f"{name} {metadata.version(name)}")
-        except metadata.PackageNotFoundError:
-            parts.append(f"{name} (not installed)")
-    return ", ".join(parts)
-
-
-def pyplot():
-    """matplotlib's pyplot on the Agg backend, or None without matplotlib (the `bench` extra)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
+def final(run_records: list[dict], kind: str = "eval") -> dict:
+    """The last record of `kind` (by default the final evaluation)."""
+    return records(run_records, kind)[-1]

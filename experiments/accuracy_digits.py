@@ -1,7 +1,7 @@
 """Accuracy at equal budget per precision policy: the default recipe (seed CNN, digits) per policy.
 
-    cd /work/main && python experiments/accuracy_digits.py            # 4 policies x 3 seeds, ~4 min
-    cd /work/main && python experiments/accuracy_digits.py --seeds 1 --steps 200   # quick look
+    python experiments/accuracy_digits.py            # 4 policies x 3 seeds, ~4 min
+    python experiments/accuracy_digits.py --seeds 1 --steps 200   # quick look
 
 Every run is the real training program (`python -m jamp.train`, configs/default.py) with only
 `--config.policy` and `--config.seed` changed, so each policy gets the same data, steps and
@@ -16,18 +16,15 @@ jamp's default dynamic loss scale); and all-bf16 ("bfloat16": params, compute an
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import pathlib
 import statistics
 import tempfile
 
-from _accuracy import POLICIES, RESULTS, add_run_arguments, pyplot, run
-from _xla import cpu_description
-
-
-def final_accuracy(records: list[dict]) -> float:
-    return [r for r in records if r["kind"] == "eval"][-1]["accuracy"]
+from _accuracy import POLICIES, add_run_arguments, final, records, run, run_options
+from _harness import RESULTS
+from _harness.environment import cpu_cores, environment
+from _harness.plots import pyplot, save
+from _harness.tables import write_page
 
 
 def plot(curves: dict, path: pathlib.Path) -> bool:
@@ -35,8 +32,8 @@ def plot(curves: dict, path: pathlib.Path) -> bool:
     if plt is None:
         return False
     fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(11, 4))
-    for policy, records in curves.items():
-        train = [r for r in records if r["kind"] == "train"]
+    for policy, run_records in curves.items():
+        train = records(run_records, "train")
         ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label=policy)
         if policy == "mixed_float16":
             ax_scale.plot([r["step"] for r in train], [r["loss_scale"] for r in train])
@@ -45,9 +42,7 @@ def plot(curves: dict, path: pathlib.Path) -> bool:
     ax_loss.legend()
     ax_scale.set(yscale="log", xlabel="step", ylabel="loss scale",
                  title="mixed_float16: dynamic loss scale")  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    return True
+    return save(fig, path)
 
 
 def main() -> None:
@@ -63,27 +58,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):
             for policy in POLICIES:
-                records = run(policy, seed, args.steps, pathlib.Path(tmp) / f"{policy}-{seed}",
-                              args.data_dir, activations=args.activations)  # fmt: skip
-                accuracy[policy].append(final_accuracy(records))
+                run_records = run(policy, seed, args.steps, pathlib.Path(tmp) / f"{policy}-{seed}",
+                                  args.data_dir, activations=args.activations)  # fmt: skip
+                accuracy[policy].append(final(run_records)["accuracy"])
                 if seed == 0:
-                    curves[policy] = records
+                    curves[policy] = run_records
                 print(f"{policy:15s} seed {seed}: accuracy {accuracy[policy][-1]:.4f}", flush=True)
 
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    png = out.with_suffix(".png")
-    plotted = plot(curves, png)
+    plotted = plot(curves, out.with_suffix(".png"))
     ref = statistics.mean(accuracy["float32"])
-    fp16 = [r for r in curves["mixed_float16"] if r["kind"] == "train"]
+    fp16 = records(curves["mixed_float16"], "train")
+    command = f"python experiments/accuracy_digits.py --seeds {args.seeds} --steps {args.steps}"
+    command += run_options(args)
     lines = [
         "# Test accuracy per policy at equal budget: seed CNN on digits (CPU)",
         "",
-        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"- command: `python experiments/accuracy_digits.py --seeds {args.seeds} "
-        f"--steps {args.steps}"
-        + (f" --activations {args.activations}`" if args.activations != "auto" else "`"),
-        f"- machine: {cpu_description()}, {os.cpu_count()} cores, CPU only",
+        *environment(command, f"{cpu_cores()}, CPU only"),
         f"- recipe: configs/default.py (Adam 1e-3, batch 64, {args.steps} steps), 300 test images;"
         f" one image is 0.33 points; activations={args.activations!r} (jamp.wrap; auto: float32 "
         "on CPUs)",
@@ -103,10 +95,7 @@ def main() -> None:
         f"{fp16[-1]['loss_scale']:g} at step {fp16[-1]['step']}; "
         f"{fp16[-1]['skipped_steps']} skipped steps.",
     ]
-    if plotted:
-        lines += ["", f"![loss and loss scale]({png.name})"]
-    out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_page(out, lines, "loss and loss scale" if plotted else "")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """fp8 at equal budget: mixed_fp8 (delayed and current scaling) against float32 and mixed_bfloat16.
 
-    cd /work/main && python experiments/accuracy_fp8.py              # 2 recipes, 2 seeds, 31-37 min
-    cd /work/main && python experiments/accuracy_fp8.py --recipes lm --seeds 1 --steps 100
-    cd /work/main && python experiments/accuracy_fp8.py --recipes digits --seeds 1 --steps 20
+    python experiments/accuracy_fp8.py              # 2 recipes, 2 seeds, 31-37 min
+    python experiments/accuracy_fp8.py --recipes lm --seeds 1 --steps 100
+    python experiments/accuracy_fp8.py --recipes digits --seeds 1 --steps 20
 
 Every jamp run is the real training program (`python -m jamp.train`) with only the policy, the fp8
 recipe and the seed changed, so each policy gets the same init, data order, steps and optimizer:
@@ -40,7 +40,6 @@ Committed: `--seeds 2` with the peer (accuracy_fp8_cpu.md) and `--seeds 3 --no_p
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
@@ -50,8 +49,11 @@ import sys
 import tempfile
 import time
 
-from _accuracy import RESULTS, ROOT, add_run_arguments, pyplot, records, run, versions
-from _xla import cpu_description
+from _accuracy import add_run_arguments, final, records, run, run_options
+from _harness import RESULTS, ROOT
+from _harness.environment import cpu_cores, environment, versions
+from _harness.plots import pyplot, save
+from _harness.tables import mean_sd, paired, write_page
 
 REFERENCE = "mixed_bfloat16"
 # label -> (policy, extra --config flags) of the program's runs
@@ -111,24 +113,6 @@ def run_peer(dot: str, seed: int, steps: int, workdir: pathlib.Path, data_dir: s
     return [json.loads(line) for line in lines], None, len(sites)
 
 
-def revision() -> str:
-    """The checkout's commit, and whether jamp/ or configs/ differ from it (the code that ran)."""
-
-    def git(*args):
-        out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
-        return out.stdout.strip() if out.returncode == 0 else ""
-
-    commit = git("rev-parse", "--short", "HEAD")
-    if not commit:
-        return "unknown (not a git checkout)"
-    dirty = git("status", "--porcelain", "--", "jamp", "configs")
-    return commit + (" with local changes in jamp/ or configs/" if dirty else "")
-
-
-def final(run_records: list[dict], kind: str = "eval") -> dict:
-    return records(run_records, kind)[-1]
-
-
 def eval_in_bf16(workdir: pathlib.Path) -> dict:
     """The final test metrics of a program run's checkpointed params under mixed_bfloat16.
 
@@ -170,11 +154,6 @@ def run_eval_in_bf16(workdir: pathlib.Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def mean_sd(values: list[float], scale: float = 1.0, digits: int = 4) -> str:
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{scale * statistics.mean(values):.{digits}f} ± {scale * sd:.{digits}f}"
-
-
 def pct(values: list[float], ref: list[float]) -> list[float]:
     """Per-seed differences to the reference, in % of the reference (losses)."""
     return [100 * (v - r) / r for v, r in zip(values, ref)]
@@ -183,13 +162,6 @@ def pct(values: list[float], ref: list[float]) -> list[float]:
 def points(values: list[float], ref: list[float]) -> list[float]:
     """Per-seed differences to the reference, in points (accuracies)."""
     return [100 * (v - r) for v, r in zip(values, ref)]
-
-
-def paired(d: list[float], digits: int = 2) -> str:
-    text = f"{statistics.mean(d):+.{digits}f}"
-    if len(d) > 1:
-        text += f" [{min(d):+.{digits}f}, {max(d):+.{digits}f}]"
-    return text
 
 
 def first_site(run_records: list[dict]) -> str | None:
@@ -254,13 +226,10 @@ def plot(curves: dict, recipes: list[str], path: pathlib.Path) -> bool:
         lines, more = ax.get_legend_handles_labels(), twin.get_legend_handles_labels()
         ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7, ncol=3,
                   loc="upper center", bbox_to_anchor=(0.5, -0.12))  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return save(fig, path)
 
 
-def table(recipe: str, runs: dict, errors: dict) -> list[str]:
+def recipe_table(recipe: str, runs: dict, errors: dict) -> list[str]:
     """The recipe's results table, the verdicts against the bar, and where the fp8 gap is."""
     bar = RECIPES[recipe]["bar"]
     col = {label: {k: [r[k] for r in rs] for k in rs[0]} for label, rs in runs.items() if rs}
@@ -413,8 +382,7 @@ def main() -> None:
 
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    png = out.with_suffix(".png")
-    plotted = plot(curves, recipes, png)
+    plotted = plot(curves, recipes, out.with_suffix(".png"))
     command = f"python experiments/accuracy_fp8.py --seeds {args.seeds} --recipes {args.recipes}"
     if args.steps:
         command += f" --steps {args.steps}"
@@ -422,20 +390,19 @@ def main() -> None:
         command += " --no_peer"
     if args.no_bf16_eval:
         command += " --no_bf16_eval"
-    if args.data_dir:
-        command += f" --data_dir {args.data_dir}"
-    if args.activations != "auto":
-        command += f" --activations {args.activations}"
+    command += run_options(args)
     runs = sum(len(v) for r in recipes for v in results[r].values())
     lines = [
         "# fp8 at equal budget: mixed_fp8 against float32 and mixed_bfloat16 (CPU, fp8 emulated)",
         "",
-        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"- command: `{command}` ({minutes:.1f} min for {runs} runs)",
-        f"- jamp: commit {revision()}",
-        f"- machine: {cpu_description()}, {os.cpu_count()} cores, CPU only (a VM shared with "
-        "other jobs): fp8 matmuls are emulated (XLA converts the fp8 operands to float32), so the "
-        "seconds say nothing about fp8 speed; " + versions("jax", "jaxlib", "flax", "optax", "jmp"),
+        *environment(
+            command,
+            f"{cpu_cores()}, CPU only (a VM shared with other jobs): fp8 matmuls are emulated "
+            "(XLA converts the fp8 operands to float32), so the seconds say nothing about fp8 "
+            "speed; " + versions("jax", "jaxlib", "flax", "optax", "jmp", python_first=True),
+            took=f"{minutes:.1f} min for {runs} runs",
+            commit=True,
+        ),
         f"- each jamp run: `python -m jamp.train` with only --config.policy, --config.fp8_recipe "
         f"and --config.seed changed; activations={args.activations!r} (auto: float32 between "
         "matmuls on CPUs); mixed_fp8: amax history 16, margin 0 (the defaults); E4M3 operands "
@@ -480,7 +447,7 @@ def main() -> None:
                 "steps; 300 test images (one image is 0.33 points). Under mixed_fp8 only the "
                 "hidden Dense layer is fp8 (the convolutions and the output head stay bf16)."
             )
-        lines += [""] + table(recipe, results[recipe], errors[recipe])
+        lines += [""] + recipe_table(recipe, results[recipe], errors[recipe])
         skipped = {k: [r["skipped"] for r in v] for k, v in results[recipe].items()}
         nonzero = {k: v for k, v in skipped.items() if any(v)}
         lines.append("")
@@ -489,10 +456,7 @@ def main() -> None:
             + (", ".join(f"{k} {v}" for k, v in nonzero.items()) if nonzero else "none in any run")
             + "."
         )
-    if plotted:
-        lines += ["", f"![training loss and fp8 scaling]({png.name})"]
-    out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_page(out, lines, "training loss and fp8 scaling" if plotted else "")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Test loss per precision policy at equal budget: a byte-level Transformer LM on pydoc's help text.
 
-    cd /work/main && python experiments/accuracy_lm.py            # 4 policies x 2 seeds, ~10 min
-    cd /work/main && python experiments/accuracy_lm.py --seeds 1 --steps 100   # quick look
-    cd /work/main && python experiments/accuracy_lm.py --activations compute \
+    python experiments/accuracy_lm.py            # 4 policies x 2 seeds, ~10 min
+    python experiments/accuracy_lm.py --seeds 1 --steps 100   # quick look
+    python experiments/accuracy_lm.py --activations compute \
         --out experiments/results/accuracy_lm_cpu_act16.md     # with 16-bit activations
 
 Every run is the real training program (`python -m jamp.train --config=configs/lm_pydoc.py`,
@@ -19,40 +19,28 @@ Policies (as in accuracy_digits.py): float32; mixed_bfloat16 and mixed_float16 (
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
 import pathlib
 import statistics
 import tempfile
 import time
 
-from _accuracy import POLICIES, RESULTS, add_run_arguments, pyplot, records, run, versions
-from _xla import cpu_description
+from _accuracy import POLICIES, add_run_arguments, final, records, run, run_options
+from _harness import RESULTS
+from _harness.environment import cpu_cores, environment, versions
+from _harness.plots import pyplot, save
+from _harness.tables import mean_sd, paired, write_page
 
 CONFIG = "configs/lm_pydoc.py"
 FP16 = "mixed_float16"
 
 
-def final_eval(run_records: list[dict]) -> dict:
-    return records(run_records, "eval")[-1]
-
-
-def mean_sd(values: list[float], scale: float = 1.0) -> str:
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{scale * statistics.mean(values):.4f} ± {scale * sd:.4f}"
-
-
-def paired(values: list[float], ref: list[float], scale: float) -> str:
+def vs_float32(values: list[float], ref: list[float], scale: float) -> str:
     """Mean of the per-seed differences to float32 (same seed: same init and data), and range."""
     if values is ref:
         return "(reference)"
-    diffs = [scale * (v - r) for v, r in zip(values, ref)]
-    text = f"{statistics.mean(diffs):+.4f}"
-    if len(diffs) > 1:
-        text += f" [{min(diffs):+.4f}, {max(diffs):+.4f}]"
-    return text
+    return paired([scale * (v - r) for v, r in zip(values, ref)], 4)
 
 
 def dataset_facts(data_dir: str, seq_len: int) -> str:
@@ -105,9 +93,7 @@ def plot(curves: dict, fp16_runs: list[list[dict]], path: pathlib.Path) -> bool:
     ax_scale.set(yscale="log", xlabel="step", ylabel="loss scale (last value per 10 steps)",
                  title=f"{FP16}: loss scale (x: a step was skipped)")  # fmt: skip
     ax_scale.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    return True
+    return save(fig, path)
 
 
 def loss_scale_lines(fp16_runs: list[list[dict]]) -> list[str]:
@@ -149,7 +135,7 @@ def main() -> None:
                                   activations=args.activations)  # fmt: skip
                 seconds[policy].append(time.perf_counter() - t0)
                 config = config or json.loads((workdir / "config.json").read_text())
-                finals[policy].append(final_eval(run_records))
+                finals[policy].append(final(run_records))
                 if seed == 0:
                     curves[policy] = run_records
                 if policy == FP16:
@@ -162,13 +148,9 @@ def main() -> None:
 
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    png = out.with_suffix(".png")
-    plotted = plot(curves, fp16_runs, png)
+    plotted = plot(curves, fp16_runs, out.with_suffix(".png"))
     command = f"python experiments/accuracy_lm.py --seeds {args.seeds} --steps {args.steps}"
-    if args.data_dir:
-        command += f" --data_dir {args.data_dir}"
-    if args.activations != "auto":
-        command += f" --activations {args.activations}"
+    command += run_options(args)
     m = config["model_config"]
     bits = 1 / math.log(2)
     loss = {p: [e["loss"] for e in finals[p]] for p in POLICIES}
@@ -176,10 +158,12 @@ def main() -> None:
     lines = [
         "# Test loss per policy at equal budget: byte-level Transformer LM on pydoc (CPU)",
         "",
-        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"- command: `{command}` ({minutes:.1f} min for {args.seeds * len(POLICIES)} runs)",
-        f"- machine: {cpu_description()}, {os.cpu_count()} cores, CPU only, no GPU (a VM shared with "
-        "other jobs); " + versions("jax", "jaxlib", "flax", "optax", "jmp"),
+        *environment(
+            command,
+            f"{cpu_cores()}, CPU only, no GPU (a VM shared with other jobs); "
+            + versions("jax", "jaxlib", "flax", "optax", "jmp", python_first=True),
+            took=f"{minutes:.1f} min for {args.seeds * len(POLICIES)} runs",
+        ),
         f"- recipe: {CONFIG}: {m['num_layers']}-layer Transformer, d_model {m['d_model']}, "
         f"{m['num_heads']} heads, MLP {m['mlp_dim']}; {config['optimizer']} "
         f"{config['learning_rate']:g} ({config['schedule']}, {config['warmup_steps']} warmup "
@@ -198,15 +182,12 @@ def main() -> None:
     for p in POLICIES:
         lines.append(
             f"| {p} | {', '.join(f'{v:.4f}' for v in loss[p])} | {mean_sd(loss[p], bits)} "
-            f"| {paired(loss[p], loss['float32'], bits)} | {mean_sd(accuracy[p])} "
-            f"| {paired(accuracy[p], accuracy['float32'], 100)} "
+            f"| {vs_float32(loss[p], loss['float32'], bits)} | {mean_sd(accuracy[p])} "
+            f"| {vs_float32(accuracy[p], accuracy['float32'], 100)} "
             f"| {statistics.mean(seconds[p]):.0f} |"
         )
     lines += ["", *loss_scale_lines(fp16_runs)]
-    if plotted:
-        lines += ["", f"![training loss and loss scale]({png.name})"]
-    out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_page(out, lines, "training loss and loss scale" if plotted else "")
 
 
 if __name__ == "__main__":

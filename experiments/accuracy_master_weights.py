@@ -1,7 +1,7 @@
 """Past float32 master weights at equal budget: bfloat16 params and low-bit optimizer state.
 
-    cd /work/main && python experiments/accuracy_master_weights.py        # lm + digits, 3 seeds
-    cd /work/main && python experiments/accuracy_master_weights.py --recipes digits --seeds 1
+    python experiments/accuracy_master_weights.py        # lm + digits, 3 seeds
+    python experiments/accuracy_master_weights.py --recipes digits --seeds 1
 
 Every run is the real training program (`python -m jamp.train`) with only the policy, the
 optimizer state, the params' rounding and the seed changed on the command line: the same init,
@@ -25,16 +25,17 @@ of the training loss per variant (seed 0) and of the paired differences per seed
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import pathlib
 import statistics
 import tempfile
 import time
 
-from _accuracy import RESULTS, add_run_arguments, pyplot, records, run, versions
-from _xla import cpu_description
+from _accuracy import add_run_arguments, final, records, run, run_options
+from _harness import RESULTS
+from _harness.environment import cpu_cores, environment, versions
+from _harness.plots import pyplot, save
+from _harness.tables import paired, write_page
 
 BF16 = "mixed_bfloat16,params=bf16"
 # name: (policy, optimizer_state, param_rounding)
@@ -75,19 +76,19 @@ def run_recipe(recipe: str, seeds: int, args, tmp: pathlib.Path) -> dict:
             got = run(policy, seed, steps, workdir, args.data_dir, config, overrides=flags,
                       activations=args.activations)  # fmt: skip
             out["seconds"].setdefault(name, []).append(time.perf_counter() - t0)
-            final = records(got, "eval")[-1][metric]
-            out["finals"][name].append(final)
+            value = final(got)[metric]
+            out["finals"][name].append(value)
             out["bytes"][name] = _bytes(workdir)
             if seed == 0:
                 out["curves"][name] = [(r["step"], r["loss"]) for r in records(got, "train")]
-            print(f"{recipe} {name:22s} seed {seed}: {metric} {final:.4f} "
+            print(f"{recipe} {name:22s} seed {seed}: {metric} {value:.4f} "
                   f"({out['seconds'][name][-1]:.0f} s)", flush=True)  # fmt: skip
     out["config"] = json.loads((workdir / "config.json").read_text())
     out["steps"] = steps
     return out
 
 
-def table(recipe: str, res: dict) -> list[str]:
+def metric_table(recipe: str, res: dict) -> list[str]:
     _, _, metric, higher, _ = RECIPES[recipe]
     ref = res["finals"][REFERENCE]
     scale = 100.0 if metric == "accuracy" else 1.0
@@ -102,7 +103,7 @@ def table(recipe: str, res: dict) -> list[str]:
         if name == REFERENCE:
             vs, rel = "(reference)", ""
         else:
-            vs = f"{statistics.mean(diffs):+.4f} [{min(diffs):+.4f}, {max(diffs):+.4f}]"
+            vs = paired(diffs, 4)
             rel = f"{100 * statistics.mean(v / r - 1 for v, r in zip(values, ref)):+.2f} %"
         lines.append(
             f"| {name} | {', '.join(f'{v:.4f}' for v in values)} | "
@@ -123,9 +124,7 @@ def plot(results: dict, path: pathlib.Path) -> bool:
             ax.plot([s for s, _ in curve], [v for _, v in curve], label=name, linewidth=1)
         ax.set(xlabel="step", ylabel="training loss", title=f"{recipe}: seed 0", yscale="log")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    return True
+    return save(fig, path)
 
 
 def main() -> None:
@@ -146,16 +145,18 @@ def main() -> None:
     minutes = (time.perf_counter() - start) / 60
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    png = out.with_suffix(".png")
     command = f"python experiments/accuracy_master_weights.py --recipes {args.recipes} "
     command += f"--seeds {args.seeds}" + (f" --steps {args.steps}" if args.steps else "")
+    command += run_options(args)
     lines = [
         "# Past float32 master weights: bfloat16 params and low-bit Adam state (CPU)",
         "",
-        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"- command: `{command}` ({minutes:.1f} min)",
-        f"- machine: {cpu_description()}, {os.cpu_count()} cores, CPU only, no GPU; "
-        + versions("jax", "jaxlib", "flax", "optax"),
+        *environment(
+            command,
+            f"{cpu_cores()}, CPU only, no GPU; "
+            + versions("jax", "jaxlib", "flax", "optax", python_first=True),
+            took=f"{minutes:.1f} min",
+        ),
         "- every variant computes in bfloat16 (`mixed_bfloat16`, activations "
         f"{args.activations!r}); they differ in what the params and Adam's moments are stored "
         "in and how params are rounded. A seed fixes the init and the data order for every "
@@ -166,11 +167,9 @@ def main() -> None:
     for recipe, res in results.items():
         c = res["config"]
         lines += ["", f"## {recipe} ({c.get('model')}, {c['optimizer']} {c['learning_rate']:g}, "
-                  f"batch {c['batch_size']})", "", *table(recipe, res)]  # fmt: skip
-    if plot(results, png):
-        lines += ["", f"![training loss per variant]({png.name})"]
-    out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+                  f"batch {c['batch_size']})", "", *metric_table(recipe, res)]  # fmt: skip
+    plotted = plot(results, out.with_suffix(".png"))
+    write_page(out, lines, "training loss per variant" if plotted else "")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Adaptive precision on a network with an fp16-fragile block, and the window k-of-n it needs.
 
-    cd /work/main && python experiments/adaptive_precision.py               # ~3 min on 2 cores
-    cd /work/main && python experiments/adaptive_precision.py --steps 200 --seeds 1   # quick
+    python experiments/adaptive_precision.py               # ~3 min on 2 cores
+    python experiments/adaptive_precision.py --steps 200 --seeds 1   # quick
 
 The network is the default recipe's seed CNN on digits with `hidden_gain=1e5`: its dense 256
 layer is drawn 1e5 times larger and layer-normalized after, a pre-norm projection with
@@ -26,18 +26,17 @@ adaptive_precision_cpu.png (loss, loss scale and promotions over steps).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import pathlib
 import runpy
 import statistics
-import subprocess
-import sys
 import tempfile
 
-from _accuracy import RESULTS, ROOT, pyplot, versions
-from _xla import cpu_description
+from _accuracy import records, train
+from _harness import RESULTS, ROOT
+from _harness.environment import cpu_description, today, versions
+from _harness.plots import pyplot, save
+from _harness.tables import write_page
 
 ORDER = ("Conv_0", "Conv_1", "Dense_0", "LayerNorm_0", "Dense_1")  # the model's param groups
 FRAGILE = ["--config.model_config={'hidden_gain': 1e5}", "--config.activations=compute"]
@@ -53,22 +52,13 @@ RUNS = {
 
 
 def cli(workdir, flags, steps, seed, config=None):
-    cmd = [sys.executable, "-m", "jamp.train"] + ([f"--config={config}"] if config else [])
-    cmd += [f"--workdir={workdir}", f"--config.num_train_steps={steps}",
-            f"--config.seed={seed}", "--config.log_every_steps=10", *flags]  # fmt: skip
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    path = pathlib.Path(workdir) / "metrics.jsonl"
-    records = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-    return out, records
+    """A program run of `steps` steps at `seed`, logged every 10: (the process, its records)."""
+    steps_seed = [f"--config.num_train_steps={steps}", f"--config.seed={seed}"]
+    return train([*steps_seed, "--config.log_every_steps=10", *flags], workdir, config)
 
 
-def kind(records, name):
-    return [r for r in records if r["kind"] == name]
-
-
-def outcome(out, records):
-    evals = kind(records, "eval")
+def outcome(out, run_records):
+    evals = records(run_records, "eval")
     if out.returncode == 3:
         stop = [x for x in out.stderr.splitlines() if "training stopped" in x]
         # "error: training stopped at step 120: the last ..." -> "training stopped at step 120"
@@ -107,15 +97,15 @@ def side_by_side(tmp, steps):
         base = ["--config.policy=mixed_float16", "--config.activations=compute", *flags]
         speeds, kept = {}, {}
         for j, on in enumerate(("false", "true", "false", "true")):
-            out, records = cli(tmp / f"side{i}_{j}", [f"--config.adaptive_precision={on}",
+            out, run_records = cli(tmp / f"side{i}_{j}", [f"--config.adaptive_precision={on}",
                                *base], steps, 0, config)  # fmt: skip
             if out.returncode:
                 raise SystemExit(out.stderr[-2000:])
             line = next(x for x in out.stdout.splitlines() if x.startswith("throughput"))
             speeds.setdefault(on, []).append(float(line.split()[-1]))
-            kept[on] = records
+            kept[on] = run_records
         per_module: dict[str, list[int]] = {}
-        for r in kind(kept["false"], "overflow"):
+        for r in records(kept["false"], "overflow"):
             for m in r["grads_nonfinite"]:
                 per_module.setdefault(m, []).append(r["step"])
         worst = max((max_in_window(v, 50) for v in per_module.values()), default=0)
@@ -123,14 +113,14 @@ def side_by_side(tmp, steps):
 
         def final(on, what, kept=kept, metric=metric):
             if what == "scale":
-                return kind(kept[on], "train")[-1]["loss_scale"]
-            return kind(kept[on], "eval")[-1][metric]
+                return records(kept[on], "train")[-1]["loss_scale"]
+            return records(kept[on], "eval")[-1][metric]
 
         changes = [f"{c['module']} -> {c['to_dtype']} at {c['step']}"
-                   for c in kind(kept["true"], "precision_change")]  # fmt: skip
+                   for c in records(kept["true"], "precision_change")]  # fmt: skip
         rows.append({
             "run": name,
-            "skipped (off)": kind(kept["false"], "train")[-1]["skipped_steps"],
+            "skipped (off)": records(kept["false"], "train")[-1]["skipped_steps"],
             "most skips of one module in 50 steps (off)": worst,
             "promotions (on)": ", ".join(changes) or "none",
             "final loss scale off / on": f"{final('false', 'scale'):g} / {final('true', 'scale'):g}",
@@ -142,12 +132,11 @@ def side_by_side(tmp, steps):
 
 def flag_cost(reps=5, steps=50):
     """The per-module forward flags' cost: the jitted train step with and without them, same
-    state and batch, alternated; median of `reps` timings of `steps` steps each."""
-    import time
-
+    state and batch, interleaved; median of `reps` timings of `steps` steps each."""
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from _harness.timing import interleaved, stepper
 
     from jamp.step import make_train_step
     from jamp.train import loop, tasks
@@ -167,16 +156,10 @@ def flag_cost(reps=5, steps=50):
             on: jax.jit(make_train_step(tasks.make_loss_fn(model, task, forward_flags=on), tx))
             for on in (False, True)
         }
-        times = {False: [], True: []}
-        for fn in fns.values():  # compile both first
-            jax.block_until_ready(fn(state, batch, jax.random.key(0)))
-        for _ in range(reps):
-            for on, fn in fns.items():
-                s, t0 = state, time.perf_counter()
-                for _ in range(steps):
-                    s, _m = fn(s, batch, jax.random.key(0))
-                jax.block_until_ready(s)
-                times[on].append((time.perf_counter() - t0) / steps)
+        runners = {on: stepper(fn, state, batch, jax.random.key(0)) for on, fn in fns.items()}
+        for run_step in runners.values():  # compile both first
+            jax.block_until_ready(run_step())
+        times = interleaved(runners, reps, steps)
         off, on = np.median(times[False]), np.median(times[True])
         rows.append((recipe, off * 1e3, on * 1e3, on / off))
     return rows
@@ -187,7 +170,7 @@ def write_flag_cost():
     lines = [
         "# The per-module forward flags' cost (adaptive precision's per-step record)",
         "",
-        f"Machine: {cpu_description()}; {versions('jax', 'flax')}. {datetime.date.today()}, "
+        f"Machine: {cpu_description()}; {versions('jax', 'flax', python_first=True)}. {today()}, "
         "`python experiments/adaptive_precision.py --part flags`: the jitted train step "
         "(mixed_float16, activations in the compute dtype) with and without "
         "`make_loss_fn(..., forward_flags=True)`, same state and batch, alternated, median of 5 "
@@ -197,9 +180,7 @@ def write_flag_cost():
         "|---|---|---|---|",
         *(f"| {r} | {a:.2f} | {b:.2f} | {c:.3f}x |" for r, a, b, c in rows),
     ]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "adaptive_precision_flags_cpu.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_page(RESULTS / "adaptive_precision_flags_cpu.md", lines)
 
 
 def plot(curves, changes, path):
@@ -207,8 +188,8 @@ def plot(curves, changes, path):
     if plt is None:
         return False
     fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, records in curves.items():
-        train = kind(records, "train")
+    for name, run_records in curves.items():
+        train = records(run_records, "train")
         steps = [r["step"] for r in train]
         ax_loss.plot(steps, [r["loss"] for r in train], label=name)
         if name.startswith("mixed_float16"):  # the others have no loss scale
@@ -226,9 +207,7 @@ def plot(curves, changes, path):
     ax_loss.legend(fontsize=8)
     ax_scale.set(yscale="log", xlabel="step", ylabel="loss scale", title="dynamic loss scale")
     ax_scale.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    return True
+    return save(fig, path)
 
 
 def main():
@@ -246,25 +225,25 @@ def main():
     results, curves, log = {}, {}, []
     for seed in range(args.seeds):
         for name, flags in RUNS.items():
-            out, records = cli(tmp / f"{name}_{seed}".replace(" ", ""), FRAGILE + flags,
+            out, run_records = cli(tmp / f"{name}_{seed}".replace(" ", ""), FRAGILE + flags,
                                args.steps, seed)  # fmt: skip
-            results.setdefault(name, []).append(outcome(out, records))
+            results.setdefault(name, []).append(outcome(out, run_records))
             if seed == 0:
-                curves[name] = records
+                curves[name] = run_records
                 if "adaptive" in name:
                     log = [x for x in out.stderr.splitlines() if "now computes in" in x]
-                    changes = kind(records, "precision_change")
+                    changes = records(run_records, "precision_change")
                     summary = [x for x in out.stdout.splitlines() if x.startswith("precision")]
                 if name == "mixed_float16":
-                    first = kind(records, "overflow")[:1]
+                    first = records(run_records, "overflow")[:1]
     side = side_by_side(tmp, args.side_steps)
     worst_key = "most skips of one module in 50 steps (off)"
     ref = [a for a, _ in results["float32"]]
     lines = [
         "# Adaptive precision: a fragile pre-norm block under mixed_float16",
         "",
-        f"Machine: {cpu_description()}; {versions('jax', 'flax')}. "
-        f"{datetime.date.today()}, `python experiments/adaptive_precision.py --steps {args.steps}"
+        f"Machine: {cpu_description()}; {versions('jax', 'flax', python_first=True)}. "
+        f"{today()}, `python experiments/adaptive_precision.py --steps {args.steps}"
         f" --seeds {args.seeds}`. float32 here is true fp32 matmuls (CPU: no TF32).",
         "",
         f"Seed CNN on digits, `hidden_gain=1e5`, activations in the compute dtype, {args.steps} "
@@ -323,10 +302,8 @@ def main():
         "more compile.",
         "",
     ]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "adaptive_precision_cpu.md").write_text("\n".join(lines) + "\n")
+    write_page(RESULTS / "adaptive_precision_cpu.md", lines)
     plot(curves, changes, RESULTS / "adaptive_precision_cpu.png")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """Core CPU benchmark: jamp.wrap vs hand-written bf16 Flax, and the cost of dynamic loss scaling.
 
-    cd /work/main && /work/venv/bin/python experiments/bench_core.py          # full, ~10 min
-    cd /work/main && /work/venv/bin/python experiments/bench_core.py --quick  # smoke, ~1-2 min
+    python experiments/bench_core.py          # full, ~10 min
+    python experiments/bench_core.py --quick  # smoke, ~1-2 min
 
 For the seed CNN (CIFAR-shaped, batch 64) and a 4-layer Transformer LM (d=256, batch 16, seq 128)
 it times the full jitted train step (jamp.step.make_train_step, optax.adam, fp32 params, donated
-state) of five variants of the same network, interleaved in rounds (experiments/_timing.py):
+state) of five variants of the same network, interleaved in rounds (experiments/_harness/timing.py):
 
   fp32          the jamp.models module as written (default matmul precision: true fp32 on CPU)
   hand_bf16     the same network written here with dtype=bf16, param_dtype=fp32 on every layer
@@ -21,20 +21,19 @@ Writes experiments/results/core_cpu.md; text below its "<!-- notes -->" line is 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import statistics
-import sys
 import time
 
-import flax
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 import optax
-from _timing import interleaved, ratio_stats
-from _xla import cpu_description, hlo_summary
+from _harness import RESULTS
+from _harness.data import xy_loss
+from _harness.environment import benchmark_environment, loadavg
+from _harness.tables import fine_ratio, write_keeping_notes
+from _harness.timing import RATIO_NOTE, interleaved, median_ms, ratio_stats, stepper
+from _harness.xla import hlo_summary
 from peers_flax import hand_model
 
 from jamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
@@ -46,8 +45,7 @@ from jamp.wrap import wrap
 BF16, F32 = jnp.bfloat16, jnp.float32
 TX = optax.adam(1e-4)
 KEY = jax.random.key(0)
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "core_cpu.md")
-NOTES = "<!-- notes -->"
+OUT = RESULTS / "core_cpu.md"
 
 
 def make_models(name):
@@ -67,16 +65,6 @@ def make_models(name):
         hand_model("transformer_lm", BF16, 1024, **cfg),
         batch,
     )
-
-
-def make_loss(apply_fn):
-    def loss_fn(params, model_state, batch, rng):
-        del rng  # no dropout in these models
-        logits = apply_fn({"params": params}, batch["x"]).astype(F32)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-        return loss, (model_state, {})
-
-    return loss_fn
 
 
 # ----- building, compiling and running the variants
@@ -104,7 +92,7 @@ def compile_all(specs, params, batch, reps):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             module, loss_scale = specs[name]
             jax.clear_caches()
-            step = jax.jit(make_train_step(make_loss(module.apply), TX), donate_argnums=0)
+            step = jax.jit(make_train_step(xy_loss(module.apply), TX), donate_argnums=0)
             state = TrainState.create(jax.tree.map(jnp.copy, params), TX, loss_scale=loss_scale())
             t0 = time.perf_counter()
             lowered = step.lower(state, batch, KEY)
@@ -120,17 +108,6 @@ def compile_all(specs, params, batch, reps):
     return out
 
 
-def make_runner(compiled, state, batch):
-    """One call = one step of `compiled`; the (donated) state is replaced on every call."""
-    box = [state]
-
-    def run():
-        box[0], metrics = compiled(box[0], batch, KEY)
-        return box[0], metrics
-
-    return run
-
-
 def bench_model(name, rounds, steps, reps, sanity_steps=5):
     model, hand, batch = make_models(name)
     params = model.init(KEY, batch["x"])["params"]
@@ -140,9 +117,9 @@ def bench_model(name, rounds, steps, reps, sanity_steps=5):
     specs = variants(model, hand)
     print(f"[{name}] compiling {len(specs)} variants x {reps} ...", flush=True)
     info = compile_all(specs, params, batch, reps)
-    runners = {n: make_runner(i["compiled"], i["state"], batch) for n, i in info.items()}
+    runners = {n: stepper(i["compiled"], i["state"], batch, KEY) for n, i in info.items()}
     for n, run in runners.items():  # sanity: finite, and similar losses after a few steps
-        metrics = [run()[1] for _ in range(sanity_steps)]
+        metrics = [run() for _ in range(sanity_steps)]
         losses = info[n]["losses"] = [float(m["loss"]) for m in metrics]
         assert np.all(np.isfinite(losses)), f"{name}/{n}: non-finite loss {losses}"
         print(
@@ -167,12 +144,7 @@ def bench_model(name, rounds, steps, reps, sanity_steps=5):
 # ----- reporting
 
 
-def fmt_ratio(stats):
-    med, lo, hi = stats
-    return f"{med:.3f} [{lo:.2f}–{hi:.2f}]"
-
-
-def model_table(name, info):
+def model_rows(name, info):
     rows = [
         f"### {name}",
         "",
@@ -181,9 +153,9 @@ def model_table(name, info):
     ]
     for n, i in info.items():
         rows.append(
-            f"| {n} | {1e3 * statistics.median(i['times']):.1f} "
-            f"| {fmt_ratio(ratio_stats(i['times'], info['hand_bf16']['times']))} "
-            f"| {fmt_ratio(ratio_stats(i['times'], info['fp32']['times']))} "
+            f"| {n} | {median_ms(i['times']):.1f} "
+            f"| {fine_ratio(ratio_stats(i['times'], info['hand_bf16']['times']))} "
+            f"| {fine_ratio(ratio_stats(i['times'], info['fp32']['times']))} "
             f"| {i['compile_s']:.2f} | {i['temp'] / 2**20:.1f} "
             f"| {i['losses'][0]:.4f} → {i['losses'][-1]:.4f} |"
         )
@@ -196,7 +168,7 @@ def model_table(name, info):
     return rows + [""]
 
 
-def headline(results):
+def headline_rows(results):
     rows = [
         "| model | (a) wrap_bf16 / hand_bf16 step (≤ 1.02) | (b) f16_dls / f16 step (≤ 1.03) "
         "| (b) compile s dls / noop (ratio) | (b) temp MiB dls / noop "
@@ -208,31 +180,25 @@ def headline(results):
         b = ratio_stats(info["wrap_f16_dls"]["times"], info["wrap_f16"]["times"])
         d, f = info["wrap_f16_dls"], info["wrap_f16"]
         rows.append(
-            f"| {name} | {fmt_ratio(a)} | {fmt_ratio(b)} "
+            f"| {name} | {fine_ratio(a)} | {fine_ratio(b)} "
             f"| {d['compile_s']:.2f} / {f['compile_s']:.2f} ({d['compile_s'] / f['compile_s']:.2f}) "
             f"| {d['temp'] / 2**20:.1f} / {f['temp'] / 2**20:.1f} ({d['temp'] / f['temp']:.2f}) "
-            f"| {fmt_ratio(ratio_stats(info['wrap_f16_static']['times'], f['times']))}, "
-            f"{fmt_ratio(ratio_stats(info['fp32_dls']['times'], info['fp32']['times']))} |"
+            f"| {fine_ratio(ratio_stats(info['wrap_f16_static']['times'], f['times']))}, "
+            f"{fine_ratio(ratio_stats(info['fp32_dls']['times'], info['fp32']['times']))} |"
         )
     return rows
 
 
-def environment(args, elapsed, load):
-    cpu = cpu_description()
+def run_lines(args, elapsed, load0):
+    """The results file's head: the environment record and how the variants were timed."""
     precision = jax.config.jax_default_matmul_precision
-    return [
-        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"- command: `cd /work/main && /work/venv/bin/python {' '.join(sys.argv)}`",
-        f"- machine: {cpu}, {os.cpu_count()} cores, backend {jax.default_backend()}; "
-        f"loadavg at start {load[0]:.2f}, at end {load[1]:.2f}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
-        f"- versions: jax {jax.__version__}, jaxlib {jaxlib.__version__}, flax {flax.__version__}, "
-        f"optax {optax.__version__}, Python {sys.version.split()[0]}",
+    return benchmark_environment(load0) + [
         f"- rounds x steps per variant: cnn {args.rounds} x {args.cnn_steps}, "
         f"tlm {args.rounds} x {args.tlm_steps}; compile repeats {args.compile_reps}; "
         f"total wall time {elapsed / 60:.1f} min",
         f"- fp32 baseline matmul precision: jax_default_matmul_precision={precision!r} "
         "(DEFAULT; on CPU that is true fp32, no TF32/bf16 passes)",
-        "- ratios: median of per-round ratios [min–max over rounds]; step ms: median over rounds",
+        RATIO_NOTE,
     ]
 
 
@@ -244,34 +210,28 @@ def main():
     p.add_argument("--compile-reps", type=int, default=3)
     p.add_argument("--models", default="cnn,tlm")
     p.add_argument("--quick", action="store_true", help="2 rounds x 2 steps, 1 compile: smoke run")
-    p.add_argument("--out", default=None, help=f"results file (default {RESULTS}; none if --quick)")
+    p.add_argument("--out", default=None, help=f"results file (default {OUT}; none if --quick)")
     args = p.parse_args()
     if args.out is None and not args.quick:
-        args.out = RESULTS
+        args.out = OUT
     if args.quick:
         args.rounds, args.cnn_steps, args.tlm_steps, args.compile_reps = 2, 2, 2, 1
-    start, load0 = time.perf_counter(), os.getloadavg()[0]
+    start, load0 = time.perf_counter(), loadavg()
     results = {}
     for name in args.models.split(","):
         steps = args.cnn_steps if name == "cnn" else args.tlm_steps
         results[name] = bench_model(name, args.rounds, steps, args.compile_reps)
-    env = environment(args, time.perf_counter() - start, (load0, os.getloadavg()[0]))
+    env = run_lines(args, time.perf_counter() - start, load0)
     labels = {"cnn": "SeedCNN, 32x32x3, batch 64", "tlm": "TransformerLM 4x256, seq 128, batch 16"}
-    lines = ["# jamp core benchmark on CPU", ""] + env + ["", "## Headline", ""] + headline(results)
+    lines = ["# jamp core benchmark on CPU", ""] + env + ["", "## Headline", ""]
+    lines += headline_rows(results)
     lines += ["", "## Per model", ""]
     for name, info in results.items():
-        lines += model_table(labels.get(name, name), info)
+        lines += model_rows(labels.get(name, name), info)
     text = "\n".join(lines)
     print("\n" + text)
-    notes = f"{NOTES}\n"
-    if args.out and os.path.exists(args.out):
-        with open(args.out) as f:
-            old = f.read()
-        notes = old[old.index(NOTES) :] if NOTES in old else notes
     if args.out:
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text + "\n" + notes)
+        write_keeping_notes(args.out, text)
 
 
 if __name__ == "__main__":

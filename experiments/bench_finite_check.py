@@ -3,10 +3,10 @@
 `jamp.make_train_step` reduces the averaged gradients to one finite flag per top-level module
 (`attribution_depth=1`, the default) so that a skipped step says which modules overflowed. This
 times that step against the same step with a single flag (`attribution_depth=0`), side by side
-in one run (interleaved rounds, see _timing.py), on jamp's Transformer LM and ResNet-20 under
+in one run (interleaved rounds, see _harness/timing.py), on jamp's Transformer LM and ResNet-20 under
 mixed_float16 with a dynamic loss scale, and reports compile times too.
 
-    cd /work/main && /work/venv313/bin/python experiments/bench_finite_check.py
+    python experiments/bench_finite_check.py
 
 Writes experiments/results/finite_check_cpu.md.
 """
@@ -14,26 +14,24 @@ Writes experiments/results/finite_check_cpu.md.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import pathlib
 import statistics
 import sys
 import time
 
 import jax
-import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _timing import interleaved, ratio_stats  # noqa: E402
-from _xla import cpu_description  # noqa: E402
+from _harness import RESULTS  # noqa: E402
+from _harness.data import random_batch  # noqa: E402
+from _harness.environment import benchmark_environment, loadavg  # noqa: E402
+from _harness.tables import fmt_ratio  # noqa: E402
+from _harness.timing import interleaved, median_ms, ratio_stats, stepper  # noqa: E402
 
 import jamp  # noqa: E402
 from jamp.models import get_model  # noqa: E402
 from jamp.train import tasks  # noqa: E402
 from jamp.train.optim import OptimConfig, make_optimizer  # noqa: E402
-
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 WORKLOADS = {
     "Transformer LM 4 x 256, seq 128, batch 16": (
@@ -43,16 +41,6 @@ WORKLOADS = {
     ),
     "ResNet-20 (BatchNorm), 32x32x3, batch 64": ("resnet20", {}, 64),
 }
-
-
-def _batch(task, size):
-    rng = np.random.default_rng(0)
-    if task == "lm":
-        return {"tokens": rng.integers(0, 256, (size, 129)).astype(np.int32)}
-    return {
-        "image": rng.standard_normal((size, 32, 32, 3)).astype(np.float32),
-        "label": rng.integers(0, 10, size).astype(np.int32),
-    }
 
 
 def _state(model, task, tx, batch):
@@ -67,12 +55,12 @@ def _state(model, task, tx, batch):
 VARIANTS = {1: "per module", 0: "single flag"}  # attribution_depth -> name
 
 
-def bench(label, rounds, steps, compile_reps):
+def time_workload(label, rounds, steps, compile_reps):
     name, config, size = WORKLOADS[label]
     task = "lm" if name == "transformer_lm" else "classification"
     model = jamp.wrap(get_model(name, 256 if task == "lm" else 10, **config), "mixed_float16")
     tx, _ = make_optimizer(OptimConfig(optimizer="adam", learning_rate=1e-3, num_train_steps=10))
-    batch = jax.device_put(_batch(task, size))
+    batch = jax.device_put(random_batch(task, size))
     key = jax.random.key(0)
     runners, compile_s, groups = {}, {name: [] for name in VARIANTS.values()}, {}
     # Compile times: median of `reps` compiles per variant, alternating, so that neither variant
@@ -80,7 +68,7 @@ def bench(label, rounds, steps, compile_reps):
     for rep in range(compile_reps):
         order = list(VARIANTS.items())
         for depth, variant in order[::-1] if rep % 2 else order:
-            lowered = jax.jit(make_train_step(model, task, tx, depth), donate_argnums=0).lower(
+            lowered = jax.jit(step_at_depth(model, task, tx, depth), donate_argnums=0).lower(
                 _state(model, task, tx, batch), batch, key
             )
             start = time.perf_counter()
@@ -88,34 +76,28 @@ def bench(label, rounds, steps, compile_reps):
             compile_s[variant].append(time.perf_counter() - start)
     compile_s = {k: statistics.median(v) for k, v in compile_s.items()}
     for depth, variant in VARIANTS.items():
-        step = make_train_step(model, task, tx, depth)
+        step = step_at_depth(model, task, tx, depth)
         state = _state(model, task, tx, batch)
         compiled = jax.jit(step, donate_argnums=0).lower(state, batch, key).compile()
         if depth:
             groups[variant] = len(jamp.finite_by_group(state.params))
-        holder = {"state": state}
-
-        def run(compiled=compiled, holder=holder):
-            holder["state"], metrics = compiled(holder["state"], batch, key)
-            return metrics["loss"]
-
-        run()  # warm
-        runners[variant] = run
+        runners[variant] = stepper(compiled, state, batch, key)
+        runners[variant]()  # warm
     times = interleaved(runners, rounds, steps)
     return {
         "label": label,
         "groups": groups["per module"],
-        "ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
+        "ms": {k: median_ms(v) for k, v in times.items()},
         "ratio": ratio_stats(times["per module"], times["single flag"]),
         "compile_s": compile_s,
     }
 
 
-def make_train_step(model, task, tx, depth):
+def step_at_depth(model, task, tx, depth):
     return jamp.make_train_step(tasks.make_loss_fn(model, task), tx, attribution_depth=depth)
 
 
-def report(results, args, elapsed):
+def results_table(results, args, elapsed, load0):
     lines = [
         "# The per-module finite check vs a single flag",
         "",
@@ -128,20 +110,14 @@ def report(results, args, elapsed):
         "|---|---|---|---|---|---|",
     ]
     for r in results:
-        med, lo, hi = r["ratio"]
         lines.append(
             f"| {r['label']} | {r['groups']} | {r['ms']['per module']:.1f} | "
-            f"{r['ms']['single flag']:.1f} | {med:.3f} [{lo:.3f}-{hi:.3f}] | "
+            f"{r['ms']['single flag']:.1f} | {fmt_ratio(r['ratio'], 3, spread=3)} | "
             f"{r['compile_s']['per module']:.2f} / {r['compile_s']['single flag']:.2f} |"
         )
-    load = os.getloadavg()
     lines += [
         "",
-        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"- command: `cd /work/main && python {' '.join(sys.argv)}`",
-        f"- machine: {cpu_description()}, {os.cpu_count()} cores, backend "
-        f"{jax.default_backend()}; loadavg at end {load[0]:.2f}",
-        f"- versions: jax {jax.__version__}, Python {sys.version.split()[0]}",
+        *benchmark_environment(load0, packages=("jax",)),
         f"- rounds x steps: {args.rounds} x {args.steps}; compile s: median of "
         f"{args.compile_reps} compiles per variant, alternating; wall time {elapsed / 60:.1f} min",
         "- fp32 parts run at jax_default_matmul_precision=DEFAULT (true fp32 on CPU)",
@@ -156,9 +132,11 @@ def main():
     p.add_argument("--compile-reps", type=int, default=4)
     p.add_argument("--out", default=str(RESULTS / "finite_check_cpu.md"))
     args = p.parse_args()
-    start = time.perf_counter()
-    results = [bench(label, args.rounds, args.steps, args.compile_reps) for label in WORKLOADS]
-    text = report(results, args, time.perf_counter() - start)
+    start, load0 = time.perf_counter(), loadavg()
+    results = [
+        time_workload(label, args.rounds, args.steps, args.compile_reps) for label in WORKLOADS
+    ]
+    text = results_table(results, args, time.perf_counter() - start, load0)
     print(text)
     pathlib.Path(args.out).write_text(text)
 

@@ -17,7 +17,7 @@ train step (`jamp.make_train_step`, Adam, fp32 master weights, donated state) of
                    matmuls (delayed scaling, history 16), its fp8 variables threaded by a
                    hand-written step
 
-timed interleaved in rounds (experiments/_timing.py); it reports the median per-round ratio to
+timed interleaved in rounds (experiments/_harness/timing.py); it reports the median per-round ratio to
 mixed_bfloat16. From each compiled step it counts the GEMMs by operand types: on a GPU an fp8
 GEMM is a cuBLASLt custom call whose operands are f8e4m3fn / f8e5m2 (XLA falls back to a wider
 GEMM on GPUs without fp8, silently: this is where that shows). Writes
@@ -28,23 +28,22 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
-import pathlib
 import re
 import sys
 import time
 
 import jax
 import optax
-from _timing import interleaved, ratio_stats
-from _xla import cpu_description, machine_name
+from _harness import RESULTS
+from _harness.environment import command, device_description, machine_name, today, versions
+from _harness.tables import fmt_ratio
+from _harness.timing import interleaved, median_ms, ratio_stats, stepper
 
 import jamp
 from jamp import fp8
 from jamp.models.transformer import TransformerLM
 from jamp.train import tasks
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 KEY = jax.random.key(0)
 TX = optax.adam(1e-4)
 
@@ -92,16 +91,11 @@ def _runner(step, state, data):
     compiled = step.lower(state, data, KEY).compile()
     compile_s = time.perf_counter() - t0
     temp_mib = compiled.memory_analysis().temp_size_in_bytes / 2**20
-    box = [state]
-
-    def run():
-        box[0], metrics = compiled(box[0], data, KEY)
-        return metrics
-
+    run = stepper(compiled, state, data, KEY)
     return run, (compile_s, temp_mib), gemm_counts(compiled.as_text())
 
 
-def build(sizes, batch, seq, policy, recipe):
+def build_jamp(sizes, batch, seq, policy, recipe):
     cfg = dict(sizes, mlp_dim=sizes.get("mlp_dim", 4 * sizes["d_model"]), max_len=seq)
     model = jamp.wrap(TransformerLM(vocab_size=50304 if seq >= 1024 else 256, **cfg), policy)
     tokens = jax.random.randint(KEY, (batch, seq + 1), 0, 256)
@@ -150,13 +144,11 @@ def main():
     on_gpu = jax.default_backend() == "gpu"
     rounds = args.rounds or (2 if args.quick else 7)
     steps = 1 if args.quick else 5
-    device = jax.devices()[0]
-    where = device.device_kind if on_gpu else cpu_description()
     lines = [
         f"# fp8 vs bf16 train step, Transformer LM ({machine_name()})",
         "",
-        f"{datetime.date.today()}, `python experiments/bench_fp8.py`, {where}, jax "
-        f"{jax.__version__}; {rounds} rounds x {steps} steps, median per-round ratio [min-max].",
+        f"{today()}, `{command()}`, {device_description()}, {versions('jax')}; {rounds} rounds "
+        f"x {steps} steps, median per-round ratio [min-max].",
         "The baseline is mixed_bfloat16 (bf16 GEMMs with fp32 accumulation), not float32.",
         "",
         "| width | batch x seq | variant | ms/step | vs bf16 | compile s | temp MiB "
@@ -170,16 +162,16 @@ def main():
             if policy == "flax":
                 built = build_flax(sizes, batch, seq, recipe)
             else:
-                built = build(sizes, batch, seq, policy, recipe)
+                built = build_jamp(sizes, batch, seq, policy, recipe)
             runners[name], compile_s[name], gemms[name] = built
         for run in runners.values():  # warm up
             jax.block_until_ready(run())
         times = interleaved(runners, rounds, steps)
         for name in VARIANTS:
-            med, lo, hi = ratio_stats(times[name], times["mixed_bfloat16"])
-            ms = 1e3 * sorted(times[name])[len(times[name]) // 2]
+            stats = ratio_stats(times[name], times["mixed_bfloat16"])
+            ms = median_ms(times[name])
             counts = "; ".join(f"{k}: {v}" for k, v in sorted(gemms[name].items()))
-            ratio = "1" if name == "mixed_bfloat16" else f"{med:.3f} [{lo:.2f}-{hi:.2f}]"
+            ratio = "1" if name == "mixed_bfloat16" else fmt_ratio(stats, 3)
             lines.append(
                 f"| {label} | {batch} x {seq} | {name} | {ms:.2f} | {ratio} | "
                 f"{compile_s[name][0]:.1f} | {compile_s[name][1]:.1f} | {counts} |"

@@ -1,7 +1,7 @@
 """Which matmul lowering a CPU should get: "native" vs "upcast" against float32 and flax bf16.
 
-    cd /work/main && /work/venv313/bin/python experiments/bench_lowering.py          # ~10 min
-    cd /work/main && /work/venv313/bin/python experiments/bench_lowering.py --quick  # smoke
+    python experiments/bench_lowering.py          # ~10 min
+    python experiments/bench_lowering.py --quick  # smoke
 
 jamp.mixed_ops lowers a mixed matmul in one of two forms (jamp.hardware.matmul_lowering):
 "native" hands XLA 16-bit operands (on CPUs in the canonical layout behind optimization barriers
@@ -16,7 +16,7 @@ float32 dot (the same products, exact in float32). For the Transformer LM of exp
   mixed_f16_native / mixed_f16_upcast   the same for "mixed_float16" (no loss scale: the
                       lowering alone)
 
-interleaved in rounds (experiments/_timing.py), once per XLA configuration, each in a fresh
+interleaved in rounds (experiments/_harness/timing.py), once per XLA configuration, each in a fresh
 process (XLA_FLAGS are read when jax starts):
 
   default   XLA as shipped. On this machine bf16 matmuls are native (avx512_bf16).
@@ -34,19 +34,19 @@ Writes experiments/results/lowering_cpu.md; text below its "<!-- notes -->" line
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-HERE = pathlib.Path(__file__).resolve().parent
-RESULTS = HERE / "results" / "lowering_cpu.md"
-NOTES = "<!-- notes -->"
+from _harness import EXPERIMENTS, RESULTS
+from _harness.environment import benchmark_environment, loadavg
+from _harness.tables import fmt_ratio, write_keeping_notes
+
+OUT = RESULTS / "lowering_cpu.md"
 CONFIGS = {
     "default": "",
     "no_ynn": "--xla_cpu_experimental_ynn_fusion_type=",
@@ -61,9 +61,9 @@ VOCAB, BATCH, SEQ = 256, 16, 128
 # ----- the child: one XLA configuration, all variants side by side
 
 
-def _probe(jax, jnp, rounds=7):
+def _matmul_probe(jax, jnp, rounds=7):
     """Median per-round ratio of a 2-D bf16 x bf16 -> f32 matmul's time to the f32 one's."""
-    from _timing import interleaved, ratio_stats
+    from _harness.timing import interleaved, median_ms, ratio_stats
     from jax import lax
 
     a = jax.random.normal(jax.random.key(0), (1024, 1024))
@@ -78,7 +78,7 @@ def _probe(jax, jnp, rounds=7):
     times = interleaved(runners, rounds, 5)
     return {
         "bf16_over_f32": ratio_stats(times["bf16"], times["f32"]),
-        "f32_ms": 1e3 * statistics.median(times["f32"]),
+        "f32_ms": median_ms(times["f32"]),
     }
 
 
@@ -106,8 +106,9 @@ def child(args) -> dict:
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from _timing import interleaved
-    from _xla import hlo_summary
+    from _harness.data import random_batch
+    from _harness.timing import interleaved, stepper
+    from _harness.xla import hlo_summary
 
     from jamp import hardware
     from jamp.state import TrainState
@@ -115,8 +116,7 @@ def child(args) -> dict:
     from jamp.train.tasks import make_loss_fn
 
     tx, key = optax.adam(1e-4), jax.random.key(0)
-    rng = np.random.default_rng(0)
-    batch = {"tokens": jnp.asarray(rng.integers(0, VOCAB, (BATCH, SEQ + 1)), jnp.int32)}
+    batch = jax.tree.map(jnp.asarray, random_batch("lm", BATCH, vocab=VOCAB, seq_len=SEQ))
     variants, loss_scale = _variants()
     info, runners = {}, {}
     if args.variants:
@@ -132,12 +132,7 @@ def child(args) -> dict:
         with hardware.pinned_lowering(lowering or "auto"):  # read while tracing
             compiled = step.lower(state, batch, key).compile()
         info[name] = {"compile_s": time.perf_counter() - t0, "hlo": hlo_summary(compiled.as_text())}
-        box = [state]
-
-        def run(compiled=compiled, box=box):
-            box[0], metrics = compiled(box[0], batch, key)
-            return metrics
-
+        run = stepper(compiled, state, batch, key)
         losses = [float(run()["loss"]) for _ in range(3)]  # warm-up, and a check that it trains
         assert np.all(np.isfinite(losses)), f"{name}: non-finite losses {losses}"
         info[name]["losses"] = losses
@@ -151,7 +146,7 @@ def child(args) -> dict:
     return {
         "config": args.config,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "probe": _probe(jax, jnp),
+        "probe": _matmul_probe(jax, jnp),
         "support": str(hardware.support(jnp.bfloat16)),
         "auto_lowering": auto,
         "info": info,
@@ -170,17 +165,12 @@ def run_config(name, args) -> dict:
         cmd = [sys.executable, __file__, "--child", name, "--json", str(out)]
         cmd += ["--rounds", str(args.rounds), "--steps", str(args.steps)]
         cmd += ["--variants", args.variants] if args.variants else []
-        subprocess.run(cmd, env=env, check=True, cwd=HERE.parent)
+        subprocess.run(cmd, env=env, check=True, cwd=EXPERIMENTS.parent)
         return json.loads(out.read_text())
 
 
-def _ratio(stats):
-    med, lo, hi = stats
-    return f"{med:.2f} [{lo:.2f}-{hi:.2f}]"
-
-
 def config_table(result) -> list[str]:
-    from _timing import ratio_stats
+    from _harness.timing import median_ms, ratio_stats
 
     info = result["info"]
     probe = result["probe"]
@@ -188,7 +178,7 @@ def config_table(result) -> list[str]:
         f"### {result['config']}: XLA_FLAGS={result['xla_flags']!r}",
         "",
         f"- 2-D matmul probe (1024^3): bf16 x bf16 -> f32 takes "
-        f"{_ratio(probe['bf16_over_f32'])} of f32's time (f32 {probe['f32_ms']:.1f} ms) — "
+        f"{fmt_ratio(probe['bf16_over_f32'])} of f32's time (f32 {probe['f32_ms']:.1f} ms) — "
         + ("bf16 native here" if probe["bf16_over_f32"][0] < 0.8 else "no bf16 speed-up here"),
         f"- jamp.hardware: {result['support']}; auto lowering for bf16: "
         f"**{result['auto_lowering']}**",
@@ -203,8 +193,8 @@ def config_table(result) -> list[str]:
         vs32 = ratio_stats(info["float32"]["times"], i["times"])  # >1: faster than float32
         vsbf = ratio_stats(info["flax_bf16"]["times"], i["times"])
         rows.append(
-            f"| {name} | {1e3 * statistics.median(i['times']):.1f} | {_ratio(vs32)} "
-            f"| {_ratio(vsbf)} | {i['compile_s']:.2f} "
+            f"| {name} | {median_ms(i['times']):.1f} | {fmt_ratio(vs32)} "
+            f"| {fmt_ratio(vsbf)} | {i['compile_s']:.2f} "
             f"| {i['losses'][0]:.4f} → {i['losses'][-1]:.4f} |"
         )
     rows += ["", "XLA ops (operand dtypes -> result; ynn = inside a YNNPACK fusion):", ""]
@@ -224,29 +214,19 @@ def main():
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    sys.path.insert(0, str(HERE))
     if args.child:
         args.config = args.child
         pathlib.Path(args.json).write_text(json.dumps(child(args)))
         return
     if args.quick:
         args.rounds, args.steps = 2, 1
-    out = args.out or (None if args.quick else RESULTS)
-    import jax
-    import jaxlib
-    from _xla import cpu_description
-
-    start, load0 = time.perf_counter(), os.getloadavg()[0]
+    out = args.out or (None if args.quick else OUT)
+    start, load0 = time.perf_counter(), loadavg()
     results = [run_config(name, args) for name in args.configs.split(",")]
     lines = [
         "# Matmul lowering on CPU: native vs upcast, against float32 and the model's own bf16",
         "",
-        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"- command: `cd /work/main && {pathlib.Path(sys.executable)} {' '.join(sys.argv)}`",
-        f"- machine: {cpu_description()}, {os.cpu_count()} cores; loadavg at start "
-        f"{load0:.2f}, at end {os.getloadavg()[0]:.2f}",
-        f"- versions: jax {jax.__version__}, jaxlib {jaxlib.__version__}, Python "
-        f"{sys.version.split()[0]}",
+        *benchmark_environment(load0, packages=("jax", "jaxlib")),
         f"- workload: Transformer LM {LM['num_layers']} x {LM['d_model']}, seq {SEQ}, batch "
         f"{BATCH}, vocab {VOCAB}, Adam, full jitted train step, donated state",
         f"- {args.rounds} rounds x {args.steps} steps per variant, interleaved; ratios: median "
@@ -259,11 +239,7 @@ def main():
     text = "\n".join(lines)
     print("\n" + text)
     if out:
-        notes = f"{NOTES}\n"
-        if pathlib.Path(out).exists():
-            old = pathlib.Path(out).read_text()
-            notes = old[old.index(NOTES) :] if NOTES in old else notes
-        pathlib.Path(out).write_text(text + "\n" + notes)
+        write_keeping_notes(out, text)
 
 
 if __name__ == "__main__":

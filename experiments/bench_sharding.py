@@ -1,7 +1,7 @@
 """Sharding benchmark: pmap vs FSDP on 8 simulated CPU devices — memory, step time, wire bytes.
 
-    cd /work/main && /work/venv313/bin/python experiments/bench_sharding.py          # full, ~12 min
-    cd /work/main && /work/venv313/bin/python experiments/bench_sharding.py --quick  # smoke, ~1.5 min
+    python experiments/bench_sharding.py          # full, ~12 min
+    python experiments/bench_sharding.py --quick  # smoke, ~1.5 min
 
 For the Transformer LM (jamp.models.TransformerLM under jamp.wrap, 4 layers, d_model 256 and
 512, vocab 1024, seq 128, global batch 16) and optax.adam, it builds the same train step
@@ -19,7 +19,7 @@ under the policies "float32" (default matmul precision: true fp32 on CPU), "mixe
              device, for the pmapped program too) at the global batch and, compiled only, at
              1/2, 4 and 8 times it (--quick: 1/2 and 2), and jamp.sharding.describe's state bytes per device;
              from them per-param and per-token costs (what fits a GPU: gpu_compile.py);
-  step time  interleaved in rounds (experiments/_timing.py), ratios against pmap float32
+  step time  interleaved in rounds (experiments/_harness/timing.py), ratios against pmap float32
              (float32 and mixed_bfloat16 only: on CPU 16-bit collectives run in float32);
   wire bytes the collectives of the partitioned program (jamp.sharding.collectives, and
              jamp.hlo.collectives on the pmapped program's partitioned HLO): param gathers
@@ -39,21 +39,19 @@ os.environ["XLA_FLAGS"] = (
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
-import datetime  # noqa: E402
 import re  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
-import flax  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import jaxlib  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _accuracy import pyplot  # noqa: E402
-from _timing import interleaved, ratio_stats  # noqa: E402
-from _xla import cpu_description  # noqa: E402
+from _harness import RESULTS  # noqa: E402
+from _harness.data import xy_loss  # noqa: E402
+from _harness.environment import benchmark_environment, loadavg  # noqa: E402
+from _harness.plots import pyplot, save  # noqa: E402
+from _harness.tables import fine_ratio, write_keeping_notes  # noqa: E402
+from _harness.timing import RATIO_NOTE, interleaved, median_ms, ratio_stats, stepper  # noqa: E402
 
 from jamp import hlo, parallel, sharding  # noqa: E402
 from jamp.loss_scale import loss_scale_for  # noqa: E402
@@ -65,9 +63,7 @@ from jamp.wrap import wrap  # noqa: E402
 
 TX = optax.adam(1e-4)
 KEY = jax.random.key(0)
-HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results", "sharding_cpu.md")
-NOTES = "<!-- notes -->"
+OUT = RESULTS / "sharding_cpu.md"
 LAYOUTS = ("pmap", "fsdp=8", "data=2,fsdp=4")
 POLICIES = ("float32", "mixed_bfloat16", "mixed_bfloat16,reduce=bf16")
 TIMED = ("float32", "mixed_bfloat16")  # reduce=bf16 only for the wire bytes (see docstring)
@@ -106,30 +102,20 @@ def make_batch(cfg, scale=1.0):
     return {"x": tokens[:, :-1], "y": tokens[:, 1:]}
 
 
-def make_loss(model):
-    def loss_fn(params, model_state, batch, rng):
-        del rng  # no dropout
-        logits = model.apply({"params": params}, batch["x"]).astype(jnp.float32)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-        return loss, (model_state, {})
-
-    return loss_fn
-
-
 def state_bytes_per_device(state, mesh):
     """jamp.sharding.describe's headline: bytes of state per device on `mesh`."""
     head = sharding.describe(state, mesh).splitlines()[0]
     return int(re.search(r": ([\d,]+) of", head).group(1).replace(",", ""))
 
 
-def build(layout, policy, module, params, batches):
+def build_layout(layout, policy, module, params, batches):
     """(jitted step, [its args, one per batch], state bytes per device)."""
     model = wrap(module, policy)
     state = TrainState.create(params, TX, loss_scale=loss_scale_for(policy))
     if layout == "pmap":
         wire = reduce_dtype(policy)
         step = make_train_step(
-            make_loss(model), TX, axis_name=parallel.AXIS_NAME,
+            xy_loss(model.apply), TX, axis_name=parallel.AXIS_NAME,
             reduce_dtype=None if wire == jnp.float32 else wire,
         )  # fmt: skip
         jitted = parallel.make_p_train_step(step)
@@ -141,7 +127,7 @@ def build(layout, policy, module, params, batches):
         mesh = sharding.make_mesh(layout)
         placed = sharding.shard_state(state, mesh)
         jitted = sharding.make_sharded_train_step(
-            make_train_step(make_loss(model), TX), mesh, sharding.state_shardings(placed)
+            make_train_step(xy_loss(model.apply), TX), mesh, sharding.state_shardings(placed)
         )
         args = [(placed, sharding.shard_batch(b, mesh), KEY) for b in batches]
         dev_bytes = state_bytes_per_device(placed, None)
@@ -182,7 +168,7 @@ def wire_bytes(found):
 def measure(layout, policy, module, params, batches, cfg):
     """Compiles one variant; returns its figures (and the compiled step, for timing)."""
     t0 = time.perf_counter()
-    jitted, ladder, dev_bytes = build(layout, policy, module, params, batches)
+    jitted, ladder, dev_bytes = build_layout(layout, policy, module, params, batches)
     args, per_dev = ladder[0], jax.device_count()
     info = {"state_dev": dev_bytes}
     if policy in TIMED:
@@ -222,17 +208,6 @@ def measure(layout, policy, module, params, batches, cfg):
 # ----- running
 
 
-def make_runner(compiled, args):
-    """One call = one step; the (donated) state is replaced on every call."""
-    box = [args[0]]
-
-    def run():
-        box[0], metrics = compiled(box[0], *args[1:])
-        return box[0], metrics
-
-    return run
-
-
 def first(x):
     x = np.asarray(x)
     return float(x.reshape(-1)[0])
@@ -248,9 +223,13 @@ def bench_width(cfg, d_model, steps):
     for policy in POLICIES:
         for layout in LAYOUTS:
             infos[(layout, policy)] = measure(layout, policy, module, params, batches, cfg)
-    runners = {k: make_runner(*i.pop("run")) for k, i in infos.items() if "run" in i}
+    runners = {}
+    for k, i in infos.items():
+        if "run" in i:
+            compiled, args = i.pop("run")
+            runners[k] = stepper(compiled, *args)
     for k, run in runners.items():  # sanity: finite losses, the same across layouts
-        losses = [first(run()[1]["loss"]) for _ in range(3)]
+        losses = [first(run()["loss"]) for _ in range(3)]
         assert np.all(np.isfinite(losses)), f"{k}: non-finite loss {losses}"
         infos[k]["losses"] = losses
     for k, i in infos.items():
@@ -300,11 +279,6 @@ def costs(res, cfg):
 # ----- reporting
 
 
-def fmt_ratio(stats):
-    med, lo, hi = stats
-    return f"{med:.3f} [{lo:.2f}–{hi:.2f}]"
-
-
 def memory_table(res):
     tokens = sorted(next(i["temps"] for i in res["infos"].values() if "temps" in i))
     rows = [
@@ -337,8 +311,8 @@ def time_table(res):
         if "times" not in i:
             continue
         rows.append(
-            f"| {layout} | {policy} | {1e3 * statistics.median(i['times']):.1f} "
-            f"| {fmt_ratio(ratio_stats(i['times'], base))} | {i['compile_s']:.1f} "
+            f"| {layout} | {policy} | {median_ms(i['times']):.1f} "
+            f"| {fine_ratio(ratio_stats(i['times'], base))} | {i['compile_s']:.1f} "
             f"| {i['losses'][0]:.4f} → {i['losses'][-1]:.4f} |"
         )
     return rows
@@ -495,10 +469,8 @@ def plot(results, cfg, stem):
         ax.set_ylim(0, 1.4 * max(state + temp))  # room for the legend
         ax.set_title(f"d_model={res['d']}, {res['params'] / 1e6:.1f} M params, 8 CPU devices")
         ax.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(f"{stem}_memory.png", dpi=110)
+    save(fig, f"{stem}_memory.png", dpi=110)
     names.append(f"{os.path.basename(stem)}_memory.png")
-    plt.close(fig)
     fig, axes = plt.subplots(1, len(results), figsize=(7.5 * len(results), 4.8), squeeze=False)
     colors = {"bf16": "#cc6677", "f32": "#4477aa", "pred": "#999999", "s32": "#ddcc77"}
     hatches = {"gather": "", "grad": "//", "other": ".."}
@@ -517,36 +489,32 @@ def plot(results, cfg, stem):
         ax.set_ylim(0, 1.45 * max(bottom))
         ax.set_title(f"d_model={res['d']}: collectives after SPMD partitioning")
         ax.legend(fontsize=7, loc="upper center", ncol=3)
-    fig.tight_layout()
-    fig.savefig(f"{stem}_wire.png", dpi=110)
+    save(fig, f"{stem}_wire.png", dpi=110)
     names.append(f"{os.path.basename(stem)}_wire.png")
-    plt.close(fig)
     return names
 
 
 # ----- the results file
 
 
-def environment(args, cfg, elapsed, load):
-    return [
-        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"- command: `cd /work/main && {sys.executable} {' '.join(sys.argv)}`",
-        f"- machine: {cpu_description()}, {os.cpu_count()} cores, backend {jax.default_backend()}, "
-        f"{jax.device_count()} simulated devices; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
-        f"loadavg at start {load[0]:.2f}, at end {load[1]:.2f} (the machine is shared: another "
-        "engineer's tests may run at the same time, so only ratios within this run count)",
-        f"- versions: jax {jax.__version__}, jaxlib {jaxlib.__version__}, flax {flax.__version__}, "
-        f"optax {optax.__version__}, Python {sys.version.split()[0]}",
+def setup_lines(cfg, elapsed, load0):
+    """The results file's head: the environment record, the model and how it was timed."""
+    shared = (
+        " (the machine is shared: another engineer's tests may run at the same time, so only "
+        "ratios within this run count)"
+    )
+    devices = f", {jax.device_count()} simulated devices"
+    return benchmark_environment(load0, devices=devices, note=shared) + [
         f"- model: TransformerLM, {cfg['layers']} layers, d_model {', '.join(map(str, cfg['widths']))}"
         f" (heads max(4, d/64), mlp 4d), vocab {cfg['vocab']}, seq {cfg['seq']}, global batch "
         f"{cfg['batch']} (per device {cfg['batch'] // jax.device_count()}; x{', '.join(map(str, cfg['ladder']))} "
         "compiled for memory only); "
         "optax.adam(1e-4); loss scale loss_scale_for(policy) (no-op for these policies)",
         f"- timing: {cfg['rounds']} rounds x steps {cfg['steps']} per variant, interleaved "
-        f"(experiments/_timing.py); total wall time {elapsed / 60:.1f} min",
+        f"(experiments/_harness/timing.py); total wall time {elapsed / 60:.1f} min",
         f"- float32 baselines' matmul precision: jax_default_matmul_precision="
         f"{jax.config.jax_default_matmul_precision!r} (DEFAULT; on CPU that is true fp32)",
-        "- ratios: median of per-round ratios [min–max over rounds]; step ms: median over rounds",
+        RATIO_NOTE,
     ]
 
 
@@ -580,17 +548,7 @@ SEMANTICS = [
 ]
 
 
-def write(text, out):
-    notes = f"{NOTES}\n"
-    if os.path.exists(out):
-        with open(out) as f:
-            old = f.read()
-        notes = old[old.index(NOTES) :] if NOTES in old else notes
-    with open(out, "w") as f:
-        f.write(text + "\n" + notes)
-
-
-def report(results, cfg, env, pngs):
+def results_page(results, cfg, env, pngs):
     lines = ["# jamp sharding benchmark on CPU: pmap vs FSDP, 8 simulated devices", ""] + env
     lines += ["", "## Headline: memory per device and step time", ""] + headline_memory(results)
     lines += ["", "## Headline: what crosses the wire (largest width)", ""]
@@ -612,24 +570,24 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny widths, 2 rounds: smoke run")
     p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--out", default=None, help=f"results file (default {RESULTS}; none if --quick)")
+    p.add_argument("--out", default=None, help=f"results file (default {OUT}; none if --quick)")
     args = p.parse_args()
     if args.out is None and not args.quick:
-        args.out = RESULTS
+        args.out = OUT
     cfg = dict(QUICK if args.quick else FULL)
     if args.rounds:
         cfg["rounds"] = args.rounds
     assert jax.device_count() == 8, f"need 8 devices, got {jax.devices()}"
-    start, load0 = time.perf_counter(), os.getloadavg()[0]
+    start, load0 = time.perf_counter(), loadavg()
     results = [bench_width(cfg, d, s) for d, s in zip(cfg["widths"], cfg["steps"])]
-    env = environment(args, cfg, time.perf_counter() - start, (load0, os.getloadavg()[0]))
+    env = setup_lines(cfg, time.perf_counter() - start, load0)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     pngs = plot(results, cfg, os.path.splitext(args.out)[0]) if args.out else []
-    text = report(results, cfg, env, pngs)
+    text = results_page(results, cfg, env, pngs)
     print("\n" + text)
     if args.out:
-        write(text, args.out)
+        write_keeping_notes(args.out, text)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Where a convolution is faster as a patch matmul than as XLA:CPU's native convolution.
 
-    cd /work/main && /work/venv/bin/python experiments/conv_lowering.py           # ~3 min
-    cd /work/main && /work/venv/bin/python experiments/conv_lowering.py --quick   # ~1 min
+    python experiments/conv_lowering.py           # ~3 min
+    python experiments/conv_lowering.py --quick   # ~1 min
 
 For 3x3 'SAME' convolutions on a CIFAR-shaped batch (64 x 32 x 32) with 1 to 64 input channels,
 times forward + backward (both gradients) of one convolution, interleaved in rounds:
@@ -19,18 +19,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import os
-import platform
 
 import jax
 import jax.numpy as jnp
-from _timing import interleaved, ratio_stats
+from _harness import RESULTS
+from _harness.environment import command, cpu_cores, today, versions
+from _harness.tables import fmt_ratio
+from _harness.timing import interleaved, median_ms, ratio_stats
 from jax import lax
 
 from jamp import mixed_ops
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DN = ("NHWC", "HWIO", "NHWC")
 
 
@@ -81,7 +80,7 @@ def main():
         for r in runners.values():
             jax.block_until_ready(r())
         times = interleaved(runners, rounds=rounds, steps=steps)
-        fp32_ms = sorted(times["fp32"])[len(times["fp32"]) // 2] * 1e3
+        fp32_ms = median_ms(times["fp32"])
         native = ratio_stats(times["native"], times["fp32"])
         patches = ratio_stats(times["patches"], times["fp32"])
         rows.append((cin, cout, fp32_ms, native, patches))
@@ -90,16 +89,14 @@ def main():
             f"patches {patches[0]:.2f}x",
             flush=True,
         )
-    _write(rows, args, rounds, steps)
+    _write_table(rows, rounds, steps)
 
 
-def _write(rows, args, rounds, steps):
-    cmd = "python experiments/conv_lowering.py" + (" --quick" if args.quick else "")
+def _write_table(rows, rounds, steps):
     lines = [
         "# Convolution lowering on CPU: native XLA convolution vs bf16 patch matmul",
         "",
-        f"Measured {datetime.date.today()} with `{cmd}` on {platform.processor() or 'x86_64'}, "
-        f"{os.cpu_count()} cores (the 2-core AMD EPYC CPU VM, no GPU); jax {jax.__version__}. "
+        f"Measured {today()} with `{command()}` on {cpu_cores()} (no GPU); {versions('jax')}. "
         f"Forward + both gradients of one 3x3 SAME convolution, batch 64 x 32 x 32; {rounds} "
         f"interleaved rounds x {steps} steps; ratios are medians of per-round ratios to fp32 "
         "[min-max]. Lower is faster.",
@@ -108,10 +105,7 @@ def _write(rows, args, rounds, steps):
         "|---|---|---|---|",
     ]
     for cin, cout, ms, native, patches in rows:
-        lines.append(
-            f"| {cin} -> {cout} | {ms:.2f} | {native[0]:.2f} [{native[1]:.2f}-{native[2]:.2f}] "
-            f"| {patches[0]:.2f} [{patches[1]:.2f}-{patches[2]:.2f}] |"
-        )
+        lines.append(f"| {cin} -> {cout} | {ms:.2f} | {fmt_ratio(native)} | {fmt_ratio(patches)} |")
     lines += [
         "",
         "XLA:CPU has no 16-bit convolution: the native bf16 column is its fp32 convolution plus",
@@ -119,10 +113,9 @@ def _write(rows, args, rounds, steps):
         "patch matrix 9x the input; on this memory-bound 2-core VM that pays off only for inputs",
         "with few channels, which sets jamp's limit (jamp/mixed_ops.py `_PATCH_MAX_CHANNELS`).",
     ]
-    os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, "conv_lowering_cpu.md")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / "conv_lowering_cpu.md"
+    path.write_text("\n".join(lines) + "\n")
     print("wrote", path)
 
 

@@ -26,6 +26,7 @@ import time
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from _harness.environment import cpu_flags, versions
 
 import jamp
 
@@ -73,7 +74,7 @@ def _cpu(step, params, x, reps=7, calls=200):
     return dots, per_example, best
 
 
-def _gpu(step, params, x):
+def _h200(step, params, x):
     report = jamp.compile_for(step, params, x, target="h200")
     gemms = report.gemms
     fp32 = sum(g.is_fp32 for g in gemms)
@@ -91,17 +92,10 @@ def main() -> None:
     model = eqx.nn.MLP(16, 16, args.width, 2, key=jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (args.batch, 16))
     gpu = not args.no_gpu and jamp.target.plugin_available()
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-        shown = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16")
-        flags = " ".join(f for f in shown if re.search(rf"\b{f}\b", text))
-    except OSError:
-        pass
+    flags = " ".join(cpu_flags(("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16")))
     print(
-        f"jamp at {jamp.__file__}; jax {jax.__version__}, equinox {eqx.__version__}, Python "
-        f"{platform.python_version()}; CPU {platform.processor() or platform.machine()} ({flags}); "
+        f"jamp at {jamp.__file__}; {versions('jax', 'equinox')}; CPU "
+        f"{platform.processor() or platform.machine()} ({flags}); "
         f"batch {args.batch}, width {args.width}"
     )
     print(
@@ -117,7 +111,7 @@ def main() -> None:
         dots, per_example, seconds = _cpu(step, params, x)
         gpu_cells = "n/a | n/a | n/a"
         if gpu:
-            count, fp32, batched, temporaries, predicted = _gpu(step, params, x)
+            count, fp32, batched, temporaries, predicted = _h200(step, params, x)
             gpu_cells = (
                 f"{count} ({fp32}, {batched}) | {temporaries / 2**20:.2f} | {predicted * 1e3:.3f}"
             )

@@ -29,7 +29,9 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-RESULTS = HERE / "results"
+from _harness import RESULTS  # noqa: E402
+from _harness.environment import run_record  # noqa: E402
+
 TOKENS = 8 * 1024
 WIDTHS = {
     "GPT-2 small (124M)": dict(layers=12, d=768, heads=12, mlp=3072, seq=1024, vocab=50304),
@@ -118,8 +120,6 @@ def main(argv=None) -> None:
         "--only", nargs="*", default=None, help="widths to run (by label), the others kept"
     )
     args = parser.parse_args(argv)
-    from gpu_compile_report import run_record
-
     from jamp.target import GPUS
 
     gpu = GPUS["h200"]

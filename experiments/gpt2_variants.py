@@ -51,10 +51,9 @@ import optax
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from peers_flax import HandLM  # noqa: E402
+from peers_flax import HandLM, cudnn_attention  # noqa: E402
 
 import jamp  # noqa: E402
-from jamp import hardware  # noqa: E402
 from jamp.models.llama import LlamaLM  # noqa: E402
 from jamp.models.transformer import TransformerLM  # noqa: E402
 
@@ -99,16 +98,6 @@ class Built:
     params: int
 
 
-def _cudnn_attention(query, key, value, bias=None, mask=None, **_):
-    """Flax's attention_fn signature as cuDNN's fused kernel (causal, as the mask is); XLA's
-    form where the step is traced for a CPU (a dry run)."""
-    del bias, mask
-    cudnn = hardware.target_platform() == "gpu"
-    return jax.nn.dot_product_attention(
-        query, key, value, is_causal=True, implementation="cudnn" if cudnn else None
-    )
-
-
 def hf_config(shape: dict, **extra):
     """Hugging Face's GPT2Config of a shape (the Flax and the PyTorch models take the same)."""
     from transformers import GPT2Config
@@ -139,7 +128,7 @@ def _model(family: str, shape, dtype=jnp.float32):
             vocab_size=shape["vocab"],
             dtype=dtype,
             mlp_dim=shape["mlp"],
-            attention_fn=_cudnn_attention,
+            attention_fn=cudnn_attention,
             **common,
         )
     if family == "llama":  # 4 kv heads of 12; an MLP of 2/3 the width (SwiGLU has three)

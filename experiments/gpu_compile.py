@@ -53,14 +53,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import gpu_compile_models  # noqa: E402
-from peers_flax import HandLM  # noqa: E402
+from _harness import RESULTS  # noqa: E402
+from _harness.environment import run_record  # noqa: E402
+from peers_flax import HandLM, cudnn_attention  # noqa: E402
 
 import jamp  # noqa: E402
 from jamp.target import compile_for, get_target, memory_fraction  # noqa: E402
 from jamp.train import plan  # noqa: E402
 from jamp.train.cli import RECIPES_DIR  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 GPT2 = dict(num_layers=12, d_model=768, num_heads=12, mlp_dim=3072, max_len=1024)
 GPT2_QUICK = dict(num_layers=2, d_model=64, num_heads=4, mlp_dim=128, max_len=64)
 # (label, policy, activations); "hand" rows are the hand-written Flax network
@@ -112,17 +113,11 @@ def gpt2_recipe(policy, activations, quick, target="h200"):
     return _recipe("lm_pydoc", overrides, target)
 
 
-def _cudnn_attention(query, key, value, bias=None, mask=None, **_):
-    """Flax's attention_fn signature, run as cuDNN's fused kernel (causal, as the mask is)."""
-    del bias, mask
-    return jax.nn.dot_product_attention(query, key, value, is_causal=True, implementation="cudnn")
-
-
 def hand_report(attention: str, batch: int, quick: bool, options=None, target="h200"):
     """The hand-written bf16 network's train step (the same loss, AdamW and step as jamp's)."""
     shape = GPT2_QUICK if quick else GPT2
     vocab = 512 if quick else 50304
-    attention_fn = _cudnn_attention if attention == "cudnn" else None
+    attention_fn = cudnn_attention if attention == "cudnn" else None
     model = HandLM(vocab_size=vocab, dtype=jnp.bfloat16, attention_fn=attention_fn, **shape)
     length = shape["max_len"]
     params = jax.eval_shape(
@@ -193,6 +188,11 @@ def _largest(peak_at, reports, quick):
     found = plan.search_batch(
         peak_at, min(known), 1, usable, max_compiles=0 if quick else 3, known=known
     )
+    return _found(found)
+
+
+def _found(found) -> dict:
+    """A batch search's outcome (plan.search_batch), as the JSON keeps it."""
     return {
         "batch": found.batch,
         "above": found.above,
@@ -244,12 +244,7 @@ def decoder_part(quick: bool, log, only=None) -> list[dict]:
                     max_compiles=budget,
                     known={batch: report.memory.peak},
                 )
-                row["largest"] = {
-                    "batch": found.batch,
-                    "above": found.above,
-                    "complete": found.complete,
-                    "peaks": {str(b): p for b, p in sorted(found.peaks.items())},
-                }
+                row["largest"] = _found(found)
                 rows.append(row)
                 log([row])
     return rows
@@ -518,7 +513,7 @@ def main(argv=None):
                 flush=True,
             )
 
-    from gpu_compile_report import run_record, write  # apart: they only read the JSON
+    from gpu_compile_report import write  # apart: it only reads the JSON
 
     command = " ".join(["python experiments/gpu_compile.py", *(argv or sys.argv[1:])])
     for part, run in PARTS.items():

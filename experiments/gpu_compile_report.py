@@ -2,35 +2,14 @@
 
 from __future__ import annotations
 
-import datetime
-import importlib.metadata
 import json
 import pathlib
 import sys
 
-from _xla import cpu_description
+from _harness.plots import pyplot, save
+from _harness.tables import GIB, gib, gib_parts
 
-GIB = float(1 << 30)
 _CLASSES = ("f32", "bf16", "f16", "fp8", "int", "workspace", "other", "free")
-
-
-def _versions() -> str:
-    names = ("jax", "jaxlib", "jax-cuda12-plugin", "flax", "optax", "nvidia-cudnn-cu12")
-    found = []
-    for name in names:
-        try:
-            found.append(f"{name} {importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return ", ".join(found) + f", Python {sys.version.split()[0]}"
-
-
-def _g(n) -> str:
-    return f"{n / GIB:.2f}"
-
-
-def _split(by: dict) -> str:
-    return ", ".join(f"{k} {_g(v)}" for k, v in by.items() if v >= 0.005 * GIB) or "-"
 
 
 def largest_text(row) -> str:
@@ -57,8 +36,9 @@ def _gpt2_table(rows) -> list[str]:
     ]
     for r in rows:
         lines.append(
-            f"| {r['label']} | {r['batch']} | {_g(r['temp'])} | {_g(r['peak'])} | "
-            f"{_split(r['by_dtype'])} | {r['fused_attention']} / {r['unfused_attention']} | "
+            f"| {r['label']} | {r['batch']} | {gib(r['temp'])} | {gib(r['peak'])} | "
+            f"{gib_parts(r['by_dtype'], 0.005 * GIB)} | "
+            f"{r['fused_attention']} / {r['unfused_attention']} | "
             f"{r['fp32_gemms']} | {r['compile_s']} | {largest_text(r)} |"
         )
     return lines
@@ -69,7 +49,7 @@ def _wire(row) -> str:
     for c in row.get("wire", []):
         key = f"{c['kind']} {c['dtype']}"
         by[key] = by.get(key, 0) + c["bytes"]
-    return ", ".join(f"{k} {_g(v)}" for k, v in sorted(by.items(), key=lambda kv: -kv[1])) or "-"
+    return ", ".join(f"{k} {gib(v)}" for k, v in sorted(by.items(), key=lambda kv: -kv[1])) or "-"
 
 
 def _decoder_table(rows) -> list[str]:
@@ -82,8 +62,8 @@ def _decoder_table(rows) -> list[str]:
     for r in rows:
         fits = "yes" if r["peak"] <= r["usable"] else "**no**"
         lines.append(
-            f"| {r['label']} | {r['batch']} | {_g(r['arguments'])} | {_g(r['temp'])} | "
-            f"{_g(r['peak'])} | {fits} | {_wire(r)} | {r['compile_s']} | {largest_text(r)} | "
+            f"| {r['label']} | {r['batch']} | {gib(r['arguments'])} | {gib(r['temp'])} | "
+            f"{gib(r['peak'])} | {fits} | {_wire(r)} | {r['compile_s']} | {largest_text(r)} | "
             f"{_room(r)} |"
         )
     return lines
@@ -101,11 +81,9 @@ def _room(row) -> str:
 
 
 def _plot(results, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     gpt2 = [r for r in results.get("gpt2", []) if r["batch"] == 8]
     decoders = results.get("decoders", [])
     panels = [p for p in (gpt2, decoders) if p]
@@ -148,20 +126,7 @@ def _plot(results, path: pathlib.Path) -> None:
         ax.set_xlabel("GiB")
         ax.invert_yaxis()
         ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def run_record(command: str, seconds: float) -> dict:
-    """When, where and how one part ran (kept in the JSON beside the part's rows)."""
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-        "machine": f"{cpu_description()} with no GPU",
-        "versions": _versions(),
-        "command": command,
-        "minutes": round(seconds / 60),
-    }
+    save(fig, path, dpi=110)
 
 
 _TITLES = {
@@ -191,7 +156,7 @@ def _master_table(rows) -> list[str]:
         lines.append(
             f"| {r['label']} | {b['total']:.2f} ({b['params']:.2f} + {b['opt_state']:.2f}) | "
             f"{deepest} | {r['params'] / 1e9:.2f} B | {r['params'] / first:.2f}x | "
-            f"{_g(r['arguments'])} | {_g(r['temp'])} | {_g(r['peak'])} | "
+            f"{gib(r['arguments'])} | {gib(r['temp'])} | {gib(r['peak'])} | "
             f"{r['compiles']} ({r['seconds']:.0f}) |"
         )
     return lines

@@ -40,7 +40,9 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+from _harness import RESULTS  # noqa: E402
+from _harness.environment import run_record  # noqa: E402
+
 #: What was measured on one H200 (research/gpu_h200.md), ms per step: variant -> (ms, source).
 MEASURED = {
     "hf_fp32": 52.63,
@@ -194,8 +196,6 @@ def variant_rows(now_dir: pathlib.Path, gpu, rates) -> list[dict]:
 
 
 def _markdown(result) -> str:
-    from gpu_compile_report import run_record
-
     run = run_record(" ".join(["python experiments/gpu_estimate.py", *sys.argv[1:]]), 0)
     r = result["rates"]
     lines = [

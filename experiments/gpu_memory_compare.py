@@ -23,6 +23,7 @@ import sys
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _harness.tables import GIB, gib, gib_parts  # noqa: E402
 from gpu_compile_report import largest_text  # noqa: E402  (reads the JSON only)
 
 RESULT = "results/gpu_compile_h200_fused_attention.json"
@@ -34,7 +35,6 @@ VARIANTS = (
     "hf_jamp_bf16",
     "llama_jamp_bf16",
 )
-GIB = float(1 << 30)
 
 
 def dump_variants(path: str) -> None:
@@ -62,10 +62,6 @@ def dump_variants(path: str) -> None:
             print(row, flush=True)
 
 
-def _split(by: dict) -> str:
-    return ", ".join(f"{k} {v / GIB:.2f}" for k, v in by.items() if v >= GIB / 100 and k != "free")
-
-
 def _rows_table(before: dict, after: dict, part: str) -> list[str]:
     old = {(r["label"], r["batch"]): r for r in before.get(part, [])}
     lines = [
@@ -81,14 +77,12 @@ def _rows_table(before: dict, after: dict, part: str) -> list[str]:
         # where a search stopped at its compile budget, the batch found is a lower bound
         big = f"{largest_text(o) or '-'} -> {largest_text(r)}" if largest_text(r) else ""
         if o == r:  # a row this run left as it was (e.g. a part rerun for one policy only)
-            lines.append(
-                f"| {r['label']} | {r['batch']} | not rerun: {r['temp'] / GIB:.2f} | | | |"
-            )
+            lines.append(f"| {r['label']} | {r['batch']} | not rerun: {gib(r['temp'])} | | | |")
             continue
+        was, now = (gib_parts(x["by_dtype"], GIB / 100, skip=("free",), empty="") for x in (o, r))
         lines.append(
-            f"| {r['label']} | {r['batch']} | {o['temp'] / GIB:.2f} -> {r['temp'] / GIB:.2f} | "
-            f"{o['peak'] / GIB:.2f} -> {r['peak'] / GIB:.2f} | {_split(o['by_dtype'])} -> "
-            f"{_split(r['by_dtype'])} | {big} |"
+            f"| {r['label']} | {r['batch']} | {gib(o['temp'])} -> {gib(r['temp'])} | "
+            f"{gib(o['peak'])} -> {gib(r['peak'])} | {was} -> {now} | {big} |"
         )
     return lines
 
@@ -106,9 +100,6 @@ def _variants_table(before: list[dict], after: list[dict]) -> list[str]:
         def pair(key, fmt, o=o, r=r):
             now = fmt(r[key])
             return f"{fmt(o[key])} -> {now}" if o else f"(new) {now}"
-
-        def gib(v):
-            return f"{v / GIB:.2f}"
 
         def f32(by):
             return gib(by["f32"])

@@ -45,6 +45,9 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+from _harness import RESULTS  # noqa: E402
+from _harness.environment import device_record  # noqa: E402
+
 #: (row, variant of gpt2_variants or "torch", XLA flags, label), in the order they start.
 ROWS = (
     ("lm_jamp_bf16", "lm_jamp_bf16", "", "jamp.wrap mixed_bfloat16 + make_train_step"),
@@ -257,21 +260,8 @@ def worker(args) -> None:
     except ImportError as e:  # a missing peer (torch, transformers): the row says so
         result = {"skipped": f"{type(e).__name__}: {e}"}
     result.update(row=row, label=label, batch=args.batch, wall_s=time.perf_counter() - started)
-    result.update(environment())
+    result.update(device_record(), predicted_for=_gpu().name)
     (args.out / f".row-{row}.json").write_text(json.dumps(result))
-
-
-def environment() -> dict:
-    import jax
-
-    dev = jax.devices()[0]
-    return {
-        "device": getattr(dev, "device_kind", str(dev)),
-        "backend": jax.default_backend(),
-        "jax": jax.__version__,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "predicted_for": _gpu().name,
-    }
 
 
 # ----- the driver
@@ -418,7 +408,7 @@ def _write(out: pathlib.Path, rows: list[dict], quick: bool) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=pathlib.Path, default=HERE / "results" / "gpu_suite")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "gpu_suite")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: the CPU dry run")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--parallel", type=int, default=5, help="rows compiling at once")

@@ -22,11 +22,11 @@ from typing import Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from _harness import RESULTS
+from _harness.environment import run_record
 
 import jamp
 from jamp.models import TransformerLM
-
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
 class WindowedAttention(nn.Module):
@@ -73,7 +73,7 @@ def rows(quick: bool) -> list[tuple[str, nn.Module, tuple, str]]:
     return out
 
 
-def measure(module: nn.Module, shape: tuple, dtype: str) -> dict:
+def compile_row(module: nn.Module, shape: tuple, dtype: str) -> dict:
     model = jamp.wrap(module, "mixed_bfloat16")
     x = jax.ShapeDtypeStruct(shape, jnp.int32 if dtype == "int32" else jnp.float32)
     params = jax.eval_shape(model.init, jax.random.key(0), x)
@@ -101,9 +101,6 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="small widths, two rows")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "long_attention_h200.md")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    from gpu_compile_report import run_record
-
     start = time.perf_counter()
     table = [
         "| model | cuDNN mask | trace + compile here (s) | predicted attention ms | "
@@ -111,7 +108,7 @@ def main(argv=None) -> None:
         "|---|---|---|---|---|---|",
     ]
     for name, module, shape, dtype in rows(args.quick):
-        r = measure(module, shape, dtype)
+        r = compile_row(module, shape, dtype)
         table.append(
             f"| {name} | {r['masks']} | {r['seconds']:.1f} | {r['attention_ms']:.2f} | "
             f"{r['step_ms']:.2f} | {r['peak_gib']:.2f} |"

@@ -14,11 +14,23 @@ import functools
 from typing import Callable, Optional, Sequence
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
+from jamp import hardware
 from jamp.models.cnn import max_pool_2x2
 
 F32 = jnp.float32
+
+
+def cudnn_attention(query, key, value, bias=None, mask=None, **_):
+    """Flax's attention_fn signature as cuDNN's fused kernel (causal, as the mask is): HandLM's
+    attention in the GPU experiments; XLA's form where the step is traced for a CPU (a dry run)."""
+    del bias, mask
+    cudnn = hardware.target_platform() == "gpu"
+    return jax.nn.dot_product_attention(
+        query, key, value, is_causal=True, implementation="cudnn" if cudnn else None
+    )
 
 
 class HandCNN(nn.Module):
@@ -108,7 +120,7 @@ class HandLM(nn.Module):
     num_heads: int = 4
     mlp_dim: int = 1024
     max_len: int = 1024
-    attention_fn: Optional[Callable] = None  # e.g. cuDNN's fused attention (gpu_compile.py)
+    attention_fn: Optional[Callable] = None  # e.g. cudnn_attention (the GPU experiments)
 
     @nn.compact
     def __call__(self, tokens_BL, train: bool = False):

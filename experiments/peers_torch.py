@@ -19,7 +19,7 @@ Batches are numpy: {"image": f32[B, H, W, C] (NHWC, as jamp), "label": int[B]} o
 {"tokens": int[B, L]} (next-token loss of tokens[:, :-1] -> tokens[:, 1:]). Images go to the
 conv nets as NCHW-shaped tensors in channels_last memory, which oneDNN runs fastest.
 
-    cd /work/main && /work/venv/bin/python experiments/peers_torch.py  # self-check, ~1 min
+    python experiments/peers_torch.py  # self-check, ~1 min
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def _flax_init(module) -> None:
         nn.init.normal_(module.pos_embedding, std=0.02)
 
 
-def build(model: str, **model_config):
+def build_net(model: str, **model_config):
     """The named network, Flax-initialized from torch's current RNG state.
 
     model_config: seed_cnn: num_classes, image_shape (H, W, C); resnet20 (stages 3, 3, 3):
@@ -234,7 +234,7 @@ def build(model: str, **model_config):
 def param_count(model: str, **model_config) -> int:
     """Trainable parameters (the tied embedding counted once; BN running stats excluded)."""
     _require_torch()
-    return sum(p.numel() for p in build(model, **model_config).parameters())
+    return sum(p.numel() for p in build_net(model, **model_config).parameters())
 
 
 # ----- the train step
@@ -262,7 +262,7 @@ def _inputs(model: str, batch: dict, channels_last: bool) -> tuple:
     return images.contiguous(memory_format=fmt), labels
 
 
-def _loss(net, x, y):
+def _net_loss(net, x, y):
     logits = net(x)
     return F.cross_entropy(logits.float().flatten(0, -2), y.flatten())
 
@@ -278,7 +278,7 @@ def _probe(net, x, y, autocast, policy: str) -> None:
     """Forward + backward of a copy on two examples; raises PeerUnsupported if an op fails."""
     try:
         with autocast():
-            loss = _loss(copy.deepcopy(net), x[:2], y[:2])
+            loss = _net_loss(copy.deepcopy(net), x[:2], y[:2])
         loss.backward()
         if policy == "mixed_float16":
             torch.amp.GradScaler("cpu")
@@ -314,7 +314,7 @@ def make_step(
         model_config.setdefault("image_shape", np.shape(batch["image"])[1:])
     elif model == "resnet20":
         model_config.setdefault("in_channels", np.shape(batch["image"])[-1])
-    net = build(model, **model_config).train()
+    net = build_net(model, **model_config).train()
     if model != "transformer_lm" and channels_last:
         net = net.to(memory_format=torch.channels_last)
     x, y = _inputs(model, batch, channels_last)
@@ -327,7 +327,7 @@ def make_step(
     def step():
         opt.zero_grad(set_to_none=True)
         with autocast():
-            loss = _loss(net, x, y)
+            loss = _net_loss(net, x, y)
         if scaler is None:
             loss.backward()
             opt.step()

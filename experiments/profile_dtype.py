@@ -1,7 +1,7 @@
 """How far do the profile's shares fall short of the measured step time? (jamp.inspect.profile)
 
-    cd /work/main && /work/venv313/bin/python experiments/profile_dtype.py           # ~5 min
-    cd /work/main && /work/venv313/bin/python experiments/profile_dtype.py --quick   # ~1 min
+    python experiments/profile_dtype.py           # ~5 min
+    python experiments/profile_dtype.py --quick   # ~1 min
 
 Profiles the training program's two default models the way `python -m jamp.train` runs them on
 this machine (`jamp.parallel`'s pmapped step over the local devices, random data of the recipes'
@@ -16,24 +16,20 @@ Writes experiments/results/profile_cpu.md and profile_cpu.png (the LM under mixe
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
 import sys
 
 import jax
 import numpy as np
 import optax
-from _xla import cpu_description
+from _harness import RESULTS
+from _harness.environment import cpu_cores, loadavg, today, versions
 
 import jamp
 from jamp import parallel
 from jamp.inspect.profile import profile_steps
 from jamp.models import SeedCNN, TransformerLM
 from jamp.train import tasks
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def make_variant(model_name: str, policy: str):
@@ -81,7 +77,7 @@ def main():
         ("lm", "mixed_bfloat16"): None,
         ("lm", "float32"): None,
     }
-    load_before = os.getloadavg()[0]
+    load_before = loadavg()
     live = {key: make_variant(*key) for key in variants}
     results = {key: [] for key in variants}
     for r in range(rounds):
@@ -92,7 +88,7 @@ def main():
             live[key] = (p_step, state, batches, rng)
             results[key].append(prof)
             print(f"round {r} {key}: {1e3 * prof.step_seconds:.2f} ms, {prof.gap_line()}")
-    write(results, rounds, steps, (load_before, os.getloadavg()[0]))
+    write_profile(results, rounds, steps, (load_before, loadavg()))
 
 
 def _median_round(profs):
@@ -100,15 +96,15 @@ def _median_round(profs):
     return by_time[len(by_time) // 2]
 
 
-def write(results, rounds, steps, load):
+def write_profile(results, rounds, steps, load):
     lines = [
         "# Profile split by dtype: shares against the measured step time (CPU)",
         "",
-        f"{datetime.date.today()}, `experiments/profile_dtype.py`, {rounds} rounds x {steps} "
+        f"{today()}, `experiments/profile_dtype.py`, {rounds} rounds x {steps} "
         f"profiled steps per variant (after one warm-up step each round), rounds interleaved.",
-        f"Machine: {cpu_description()}, {os.cpu_count()} cores shared with other work; "
+        f"Machine: {cpu_cores()} shared with other work; "
         f"{jax.local_device_count()} CPU device(s), pmapped step (`jamp.parallel`). "
-        f"Python {platform.python_version()}, JAX {jax.__version__}; load average (1 min) "
+        f"{versions('jax', python_first=True)}; load average (1 min) "
         f"{load[0]:.1f} before, {load[1]:.1f} after.",
         "",
         "| model | policy | step ms (median) | attributed fraction: median | min | max |",
@@ -124,12 +120,11 @@ def write(results, rounds, steps, load):
     for (model, policy), profs in results.items():
         prof = _median_round(profs)
         lines += ["", f"## {model}, {policy} (the median round)", "", "```", prof.table(40), "```"]
-    with open(os.path.join(RESULTS, "profile_cpu.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    (RESULTS / "profile_cpu.md").write_text("\n".join(lines) + "\n")
     _median_round(results[("lm", "mixed_bfloat16")]).plot(
-        os.path.join(RESULTS, "profile_cpu.png"), title="Transformer LM, mixed_bfloat16, CPU"
+        str(RESULTS / "profile_cpu.png"), title="Transformer LM, mixed_bfloat16, CPU"
     )
-    print("wrote", os.path.join(RESULTS, "profile_cpu.md"))
+    print("wrote", RESULTS / "profile_cpu.md")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 For the seed CNN, a CIFAR ResNet-20 and the Transformer LM (and, on a GPU, a GPT-2-small-sized
 LM at sequence length 1024) it times one full jitted train step (jamp.step.make_train_step with
 Adam, fp32 master weights, donated state) of every variant, interleaved in rounds
-(experiments/_timing.py) so that ratios are taken within a round:
+(experiments/_harness/timing.py) so that ratios are taken within a round:
 
   float32          the jamp.models network as written, default matmul precision (GPU: TF32)
   float32_highest  GPU only: the same with jax_default_matmul_precision="highest" (true fp32)
@@ -38,39 +38,41 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import os
-import pathlib
-import statistics
 import subprocess
 import sys
 import time
 
-import flax
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 import optax
-from _timing import interleaved, ratio_stats
-from _xla import cpu_description, hlo_summary, machine_name
+from _harness import EXPERIMENTS, RESULTS
+from _harness.data import random_batch
+from _harness.environment import (
+    command,
+    device_description,
+    environment,
+    machine_name,
+    versions,
+    xla_flags,
+)
+from _harness.plots import pyplot, save
+from _harness.tables import fmt_ratio, write_keeping_notes
+from _harness.timing import interleaved, median_ms, ratio_stats, stepper
+from _harness.xla import hlo_summary
 from peers_flax import hand_model
 
 from jamp.loss_scale import DynamicLossScale, NoOpLossScale
 from jamp.models import get_model, model_task
 from jamp.state import TrainState
 from jamp.step import make_train_step
-from jamp.train.tasks import make_loss_fn
+from jamp.train.tasks import make_loss_fn, model_inputs
 from jamp.wrap import wrap
 
-HERE = pathlib.Path(__file__).resolve().parent
-RESULTS = HERE / "results"
 TX = optax.adam(1e-4)
 KEY = jax.random.key(0)
-NOTES = "<!-- notes -->"
-SLOW = (
-    "torch_mixed_float16",
-)  # timed one step per round (fp16 has no fast path on CPUs)  # text below this line in a results file is kept on rerun
+SLOW = ("torch_mixed_float16",)  # timed one step per round (fp16 has no fast path on CPUs)
 # Dense peak FLOP/s for MFU (vendor datasheets, without sparsity) of the GPUs lent to this project.
 _HOPPER = {"bfloat16": 989e12, "float16": 989e12, "tf32": 494e12, "float32": 67e12}
 PEAK_FLOPS = {"NVIDIA H200": _HOPPER, "NVIDIA H100 80GB HBM3": _HOPPER}
@@ -92,15 +94,13 @@ class Workload:
         return model_task(self.model)
 
     def batch(self):
-        rng = np.random.default_rng(0)
-        if self.task == "lm":
-            tokens = rng.integers(0, self.vocab, (self.batch_size, self.seq_len + 1))
-            return {"tokens": tokens.astype(np.int32)}
-        shape = (self.batch_size, self.image_size, self.image_size, 3)
-        return {
-            "image": rng.standard_normal(shape).astype(np.float32),
-            "label": rng.integers(0, 10, self.batch_size).astype(np.int32),
-        }
+        return random_batch(
+            self.task,
+            self.batch_size,
+            vocab=self.vocab,
+            seq_len=self.seq_len,
+            image_size=self.image_size,
+        )
 
     def num_classes(self):
         return self.vocab if self.task == "lm" else 10
@@ -170,7 +170,7 @@ def jax_variants(w: Workload, on_gpu: bool) -> dict:
 
 
 def compile_variant(w, module, loss_scale, precision, batch, reps):
-    variables = module.init(KEY, _inputs(w, batch))
+    variables = module.init(KEY, model_inputs(w.task, batch))
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
     state = TrainState.create(params, TX, model_state=model_state, loss_scale=loss_scale())
@@ -196,20 +196,6 @@ def compile_variant(w, module, loss_scale, precision, batch, reps):
         "flops": float((cost or {}).get("flops", 0.0)),
         "hlo": hlo_summary(compiled.as_text()),
     }
-
-
-def _inputs(w, batch):
-    return batch["tokens"][:, :-1] if w.task == "lm" else batch["image"]
-
-
-def jax_runner(info, batch):
-    box = [info["state"]]
-
-    def run():
-        box[0], metrics = info["compiled"](box[0], batch, KEY)
-        return metrics
-
-    return run
 
 
 # ----- PyTorch variants
@@ -245,7 +231,9 @@ def bench(w: Workload, rounds: int, on_gpu: bool, with_torch: bool, compile_reps
         print(f"[{w.model}] compiling {name} ...", flush=True)
         info[name] = compile_variant(w, module, loss_scale, precision, batch, compile_reps)
         info[name].update(framework="jax", timed=timed)
-    runners = {n: jax_runner(i, batch) for n, i in info.items() if i["timed"]}
+    runners = {
+        n: stepper(i["compiled"], i["state"], batch, KEY) for n, i in info.items() if i["timed"]
+    }
     note = "PyTorch peer not requested (--no-torch)"
     if with_torch:
         extra, note = torch_runners(w, batch_np)
@@ -271,15 +259,6 @@ def _loss_of(out):
 
 
 # ----- reporting
-
-
-def _ms(times):
-    return 1e3 * statistics.median(times)
-
-
-def _ratio(stats):
-    med, lo, hi = stats
-    return f"{med:.2f} [{lo:.2f}-{hi:.2f}]"
 
 
 def speedups(result) -> dict:
@@ -321,9 +300,9 @@ def model_table(result) -> list[str]:
     ]
     for name, i in info.items():
         if "times" in i:
-            ms = _ms(i["times"])
+            ms = median_ms(i["times"])
             rate = f"{w.examples_per_step() / ms * 1e3:,.0f}"
-            up = _ratio(ups[name]) if name in ups else "-"
+            up = fmt_ratio(ups[name]) if name in ups else "-"
             tflops = work / ms * 1e3 / 1e12
             peak = _peak(name) if i["framework"] == "jax" else None
             flops = f"{tflops:.3f}" + (f" ({tflops * 1e12 / peak:.0%})" if peak else "")
@@ -358,26 +337,22 @@ def headline(results) -> list[str]:
         bf, f16 = info["mixed_bfloat16"], info["mixed_float16"]
         temp = bf["temp"] / max(info["float32"]["temp"], 1)
         comp = f16["compile_s"] / info["mixed_float16_noscale"]["compile_s"]
-        hand = _ratio(ratio_stats(bf["times"], info["flax_bf16"]["times"]))
+        hand = fmt_ratio(ratio_stats(bf["times"], info["flax_bf16"]["times"]))
         torch = "-"
         if "torch_mixed_bfloat16" in info:
-            torch = _ratio(ratio_stats(bf["times"], info["torch_mixed_bfloat16"]["times"]))
+            torch = fmt_ratio(ratio_stats(bf["times"], info["torch_mixed_bfloat16"]["times"]))
         other = [v for v in ("mixed_bfloat16_act16", "mixed_bfloat16_act32") if v in ups]
-        other = f"{other[0][-5:]}: {_ratio(ups[other[0]])}" if other else "-"
+        other = f"{other[0][-5:]}: {fmt_ratio(ups[other[0]])}" if other else "-"
         rows.append(
-            f"| {r['workload'].label} | {_ratio(ups['mixed_bfloat16'])} | {temp:.2f} "
-            f"| {_ratio(ups['mixed_float16'])} | {comp:.2f} | {hand} | {torch} | {other} |"
+            f"| {r['workload'].label} | {fmt_ratio(ups['mixed_bfloat16'])} | {temp:.2f} "
+            f"| {fmt_ratio(ups['mixed_float16'])} | {comp:.2f} | {hand} | {torch} | {other} |"
         )
     return rows
 
 
 def plot(results, path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, (ax_up, ax_mem) = plt.subplots(1, 2, figsize=(13, 4.5))
     names = [w["workload"].label.split(",")[0] for w in results]
@@ -409,9 +384,7 @@ def plot(results, path) -> bool:
                ylabel="MiB", title="XLA temporary memory of the train step")  # fmt: skip
     ax_mem.set_ylim(0, ax_mem.get_ylim()[1] * 1.3)
     ax_mem.legend(fontsize=8, ncol=3, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    return True
+    return save(fig, path)
 
 
 def accuracy_section() -> list[str]:
@@ -429,28 +402,21 @@ def accuracy_section() -> list[str]:
     return rows + [""]
 
 
-def environment(args, elapsed) -> list[str]:
+def setup(args, elapsed) -> list[str]:
+    """The results file's head: the environment record and the baselines' precision."""
     device = jax.devices()[0]
-    where = cpu_description() if device.platform == "cpu" else device.device_kind
-    try:
-        import torch
-
-        torch_version = torch.__version__
-    except ImportError:
-        torch_version = "not installed"
     precision = jax.config.jax_default_matmul_precision or "default"
     fp32_note = (
         "true fp32 on CPU (XLA:CPU has no TF32 or bf16-pass modes)"
         if device.platform == "cpu"
         else "TF32 on this GPU; float32_highest is true fp32"
     )
-    return [
-        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"- command: `python experiments/{' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:])}`",
-        f"- machine: {where}; {jax.device_count()} {device.platform} device(s), "
-        f"{os.cpu_count()} host cores; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
-        f"- versions: jax {jax.__version__}, jaxlib {jaxlib.__version__}, flax {flax.__version__}, "
-        f"optax {optax.__version__}, torch {torch_version}, Python {sys.version.split()[0]}",
+    machine = (
+        f"{device_description()}; {jax.device_count()} {device.platform} device(s), "
+        f"{os.cpu_count()} host cores; {xla_flags()}"
+    )
+    packages = versions("jax", "jaxlib", "flax", "optax", "torch", missing="not installed")
+    return environment(command(), machine, packages) + [
         f"- fp32 baselines: jax matmul precision {precision!r} ({fp32_note}); PyTorch "
         "`torch.set_float32_matmul_precision('highest')`",
         f"- {args.rounds} interleaved rounds; ratios are medians of per-round ratios [min-max]; "
@@ -461,7 +427,7 @@ def environment(args, elapsed) -> list[str]:
 def run_accuracy():
     for script in ("accuracy_digits.py", "accuracy_lm.py"):
         print(f"running {script} ...", flush=True)
-        subprocess.run([sys.executable, str(HERE / script)], check=True)
+        subprocess.run([sys.executable, str(EXPERIMENTS / script)], check=True)
 
 
 def main():
@@ -483,15 +449,15 @@ def main():
         reps = 1 if args.quick or on_gpu else 2
         results.append(bench(w, args.rounds, on_gpu, not args.no_torch, reps))
         # Written after every workload, so that a run stopped by a time limit keeps what it did.
-        report(results, args, time.perf_counter() - start, final=False)
+        write_results(results, args, time.perf_counter() - start, final=False)
     if args.accuracy:
         run_accuracy()
-    report(results, args, time.perf_counter() - start, final=True)
+    write_results(results, args, time.perf_counter() - start, final=True)
 
 
-def report(results, args, elapsed, final):
+def write_results(results, args, elapsed, final):
     lines = [f"# jamp benchmark suite: {machine_name()}", ""]
-    lines += environment(args, elapsed)
+    lines += setup(args, elapsed)
     if not final:
         lines += ["- PARTIAL: written before the last workload finished"]
     lines += ["", "## Headline", ""] + headline(results) + ["", "## Per workload", ""]
@@ -506,13 +472,9 @@ def report(results, args, elapsed, final):
     stem = args.out or machine_name()
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{stem}.md"
-    kept = ""
-    if path.exists() and NOTES in path.read_text():
-        old = path.read_text()
-        kept = old[old.index(NOTES) :]
     if plot(results, RESULTS / f"{stem}.png"):
         text += f"\n![speed-up and memory per policy]({stem}.png)\n"
-    path.write_text(text + ("\n" + kept if kept else ""))
+    write_keeping_notes(path, text)
     if final:
         print("wrote", path)
 

@@ -114,7 +114,7 @@ def test_bench_fp8_builds_its_variants_and_reads_gemm_operand_types():
 
     ((label, sizes, batch, seq),) = bench_fp8.widths(on_gpu=False, quick=True)
     for built in (
-        bench_fp8.build(sizes, batch, seq, "mixed_fp8", "delayed"),
+        bench_fp8.build_jamp(sizes, batch, seq, "mixed_fp8", "delayed"),
         bench_fp8.build_flax(sizes, batch, seq, True),
     ):
         run, (compile_s, temp_mib), gemms = built

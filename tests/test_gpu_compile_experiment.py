@@ -12,6 +12,7 @@ from jamp import target as target_lib
 EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
 sys.path.insert(0, str(EXPERIMENTS))
 import gpu_compile_report  # noqa: E402
+from _harness.environment import run_record  # noqa: E402
 
 GIB = 1 << 30
 
@@ -66,18 +67,16 @@ def test_gpu_compile_report_writes_its_tables_each_parts_run_and_the_plot(tmp_pa
         "models": [_row("Tunix Llama 3: jamp mixed_bfloat16", 8, 2 * GIB, fused_attention=4)],
         "runs": {
             "gpt2": {
-                **gpu_compile_report.run_record(
-                    "python experiments/gpu_compile.py --part gpt2", 120
-                ),
+                **run_record("python experiments/gpu_compile.py --part gpt2", 120),
                 "reruns": [
                     {
-                        **gpu_compile_report.run_record("python g.py --policy mixed_fp8", 180),
+                        **run_record("python g.py --policy mixed_fp8", 180),
                         "rows": "mixed_fp8",
                     }
                 ],
             },
             "models": {
-                **gpu_compile_report.run_record("python x.py --part models", 60),
+                **run_record("python x.py --part models", 60),
                 "date": "2026-01-02",
                 "note": "beside another run",
             },

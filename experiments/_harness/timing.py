@@ -14,6 +14,23 @@ from typing import Callable, Mapping
 
 import jax
 
+#: How the tables built on `interleaved` and `ratio_stats` read.
+RATIO_NOTE = (
+    "- ratios: median of per-round ratios [min–max over rounds]; step ms: median over rounds"
+)
+
+
+def stepper(compiled: Callable, state, *args) -> Callable[[], object]:
+    """A runner for `interleaved`: one call is one step `compiled(state, *args) -> (state,
+    metrics)`, the (donated) state carried from call to call; it returns the step's metrics."""
+    box = [state]
+
+    def run():
+        box[0], metrics = compiled(box[0], *args)
+        return metrics
+
+    return run
+
 
 def interleaved(
     runners: Mapping[str, Callable[[], object]], rounds: int, steps: int | Mapping[str, int]
@@ -46,3 +63,8 @@ def ratio_stats(num: list[float], den: list[float]) -> tuple[float, float, float
     """(median, min, max) of the per-round ratios num[r] / den[r]."""
     ratios = [a / b for a, b in zip(num, den)]
     return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def median_ms(seconds: list[float]) -> float:
+    """The median of per-round seconds, in milliseconds."""
+    return 1e3 * statistics.median(seconds)
