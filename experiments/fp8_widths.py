@@ -183,7 +183,7 @@ def markdown(rows: list[dict], run: dict) -> str:
         )
     lines += [
         "",
-        "Published end-to-end bf16 -> fp8 gains (research/anchors_turn5.md): torchao float8, "
+        "Published end-to-end bf16 -> fp8 gains (sources in docs/guides/fp8.md): torchao float8, "
         "Llama-3 8B on 8 H100s, compiled: 1.25x (tensorwise), 1.10x (rowwise), and fp8 slower "
         "than bf16 at small GEMM shapes; Transformer Engine about 1.13-1.15x at 7-8B; GPT-2-sized "
         "models about 1.01x (modded-nanogpt's fp8 MLP up-projection); an H200's best fp8 GEMM "

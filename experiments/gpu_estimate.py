@@ -1,6 +1,6 @@
 """The step-time model of `jamp.compile_for` (jamp.inspect.timing), calibrated and checked.
 
-The H200 measurement of research/gpu_h200.md timed three JAX steps of Hugging Face's Flax GPT-2
+The H200 measurement of docs/results.md ("On an H200") timed three JAX steps of Hugging Face's Flax GPT-2
 small (batch 8 x 1024, AdamW): TF32 52.63 ms, HF's own bf16 build 27.21 ms, jamp.wrap
 mixed_bfloat16 + make_train_step 24.55 ms (jamp at 63141af). This script compiles those three
 programs for an H200 on this machine (no GPU), and fits the model's launch cost and GEMM
@@ -43,7 +43,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from _harness import RESULTS  # noqa: E402
 from _harness.environment import run_record  # noqa: E402
 
-#: What was measured on one H200 (research/gpu_h200.md), ms per step: variant -> (ms, source).
+#: What was measured on one H200 (docs/results.md, "On an H200"), ms per step: variant -> (ms, source).
 MEASURED = {
     "hf_fp32": 52.63,
     "hf_bf16": 27.21,
@@ -214,7 +214,7 @@ def _markdown(result) -> str:
         f"other two; the largest such error, {result['error']:.1%}, is the range every "
         "prediction is given with.",
         "",
-        "## Calibration: the three JAX rows measured on one H200 (research/gpu_h200.md)",
+        "## Calibration: the three JAX rows measured on one H200 (docs/results.md, On an H200)",
         "",
         "Hugging Face Flax GPT-2 small, batch 8 x 1024, AdamW; measured with jax 0.11.2 (the "
         "jamp row at 63141af, its program dumped from a worktree of that commit).",

@@ -1,4 +1,4 @@
-"""Interleaved timing for noisy shared machines (see shared/research/cpu_perf.md).
+"""Interleaved timing for noisy shared machines (a few cores shared with other work).
 
 Every variant is timed once per round, in an order that rotates from round to round (and runs
 backwards every other round, so that no variant always follows the same one), so that a burst of
