@@ -17,17 +17,8 @@ from typing import ClassVar
 import jmp
 
 from jamp.extension import Extension
+from jamp.fp8 import state as fp8_state
 from jamp.fp8.scope import scaling
-from jamp.fp8.state import (
-    combine,
-    measuring,
-    metrics,
-    pmax,
-    representative,
-    saturation,
-    update,
-    uses_state,
-)
 
 #: The step metric `{fp8 site: f32[3], how far past fmax the amaxes of x, w and g went}`
 #: (`jamp.fp8.saturation`), with an fp8 state: where delayed scaling clipped values, for
@@ -52,29 +43,29 @@ class Fp8Extension(Extension):
 
     def observes(self, slot) -> bool:
         # The derivative with respect to the state is not a gradient: the optimizer never sees it.
-        return uses_state(slot)
+        return fp8_state.uses_state(slot)
 
     def combine(self, a, b):
-        return combine(a, b)  # the step's amax is the largest of its microbatches'
+        return fp8_state.combine(a, b)  # the step's amax is the largest of its microbatches'
 
     def reduce(self, observed, axis_name):
-        return pmax(observed, axis_name)  # every replica scales its next step alike
+        return fp8_state.pmax(observed, axis_name)  # every replica scales its next step alike
 
     def holds(self, slot):
         # A fresh delayed state's first step only measures: its scales fit no tensor yet.
-        return measuring(slot) if uses_state(slot) else None
+        return fp8_state.measuring(slot) if fp8_state.uses_state(slot) else None
 
     def commit(self, slot, observed, finite, params):
         del params
         if observed is None:
             return slot
         # a skipped step keeps the state bit-identical, like the params
-        return jmp.select_tree(finite, update(slot, observed), slot)
+        return jmp.select_tree(finite, fp8_state.update(slot, observed), slot)
 
     def metrics(self, old, new, observed) -> dict:
         out = {}
-        if uses_state(new) and self.metric_sites:
-            out["fp8"] = metrics(new, representative(new, self.metric_sites))
+        if fp8_state.uses_state(new) and self.metric_sites:
+            out["fp8"] = fp8_state.metrics(new, fp8_state.representative(new, self.metric_sites))
         if observed is not None:
-            out[FP8_SATURATION] = saturation(old, observed)
+            out[FP8_SATURATION] = fp8_state.saturation(old, observed)
         return out
