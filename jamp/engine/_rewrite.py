@@ -14,8 +14,9 @@ import numpy as np
 
 from jamp import activations as act
 from jamp import mixed_ops, scopes
-from jamp.engine import _core
-from jamp.engine._core import ComputeFor, eval_jaxpr
+from jamp.engine._context import ComputeFor, Context
+from jamp.engine._core import eval_jaxpr
+from jamp.engine._subprograms import changes
 
 #: `(key_path, shape) -> (sharding, gathered) or None`: where a leaf of a weak argument (a
 #: model's variables) lives on a mesh, and where a matmul reads it (None: where XLA picks);
@@ -204,8 +205,8 @@ def rewrite(
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
         form = act.resolve(activations)
         act.note(form, compute_dtype)
-        ctx = _core._Ctx(compute_for, form == "compute")
-        if not _core._changes(closed.jaxpr, compute_dtype, ctx):
+        ctx = Context(compute_for, form == "compute")
+        if not changes(closed.jaxpr, compute_dtype, ctx):
             # Nothing to rewrite (e.g. the float32 policy on a float32 model): run it as written,
             # which is bit-identical also where re-evaluating the program eagerly would not be.
             return fn(*args, **kwargs)
