@@ -59,14 +59,14 @@ class FuseAttention(Pass):
 
     def visit(self, visit: Visit) -> bool:
         eqn = visit.eqn
-        outs = self._step(visit.invals, eqn)
+        outs = self._step(eqn, visit.invals)
         if outs is not None:
             self.program.write(eqn.outvars, outs, [False] * len(eqn.outvars))
             return True
         visit.invals = [_attention.real(x) for x in visit.invals]
         return False
 
-    def _step(self, invals, eqn) -> Optional[list]:
+    def _step(self, eqn, invals) -> Optional[list]:
         """`eqn` as a step of an attention being recognised, or None to evaluate it as usual
         (also where the recogniser fails: the attention then runs as traced, with a warning)."""
         fuser = self.fuser

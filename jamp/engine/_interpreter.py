@@ -42,6 +42,11 @@ class Pass:
     """One concern of the engine's, for one program (made by the registered factory, which
     returns None where the concern has nothing to do in the program)."""
 
+    @classmethod
+    def start(cls, program: "Program") -> Optional["Pass"]:
+        """The pass for `program`, or None where it has nothing to do there."""
+        raise NotImplementedError
+
     def visit(self, visit: Visit) -> bool:
         """Decides for one equation; True where it settled it (later passes skip it)."""
         return False

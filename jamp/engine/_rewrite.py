@@ -168,17 +168,14 @@ def rewrite(
     Returns:
       A function with `fn`'s signature and output dtypes.
     """
-    compute_dtype = None if compute_dtype is None else np.dtype(compute_dtype)
-    act.resolve(activations)  # a bad value fails here, not at the first call
     options = _Options(
         compute_dtype,
         compute_for,
         activations,
-        tuple(weak_argnums),
-        np.dtype(reduce_dtype),
+        weak_argnums,
+        reduce_dtype,
         head_in_fp8,
         fuse_attention,
-        attention_fusion(fuse_attention),
     )
 
     def wrapped(*args, **kwargs):
@@ -187,18 +184,26 @@ def rewrite(
     return wrapped
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class _Options:
-    """`rewrite`'s arguments, checked (`fusion`: `fuse_attention` in the engine's form)."""
+    """`rewrite`'s arguments, checked when it is called (a bad one fails there, not at the first
+    call of what it returns); `fusion` is `fuse_attention` in the engine's form."""
 
     compute_dtype: Optional[np.dtype]
     compute_for: ComputeFor
     activations: str
-    weak_argnums: tuple
+    weak_argnums: Sequence[int]
     reduce_dtype: np.dtype
     head_in_fp8: bool
     fuse_attention: AttentionFusion
-    fusion: Union[bool, Callable[[str], bool]]
+    fusion: Union[bool, Callable[[str], bool]] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.compute_dtype is not None:
+            self.compute_dtype = np.dtype(self.compute_dtype)
+        self.reduce_dtype = np.dtype(self.reduce_dtype)
+        act.resolve(self.activations)
+        self.fusion = attention_fusion(self.fuse_attention)
 
 
 def _roles(args, count: int, options: _Options) -> tuple[list, list]:
