@@ -14,7 +14,7 @@ from jax import lax
 
 import jamp
 from jamp import grouped
-from jamp.engine import _core
+from jamp.engine import _matmuls
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 TOKENS, D, F, EXPERTS, TOP_K = 32, 16, 24, 4, 2
@@ -149,7 +149,7 @@ def test_mixed_ragged_dot_matches_jax_within_a_bf16_rounding(out_dtype):
 def test_an_uncovered_contraction_is_named_once(monkeypatch):
     """A grouped GEMM in a form jamp does not rewrite (its group offset set) runs as traced, in
     float32, and says so once."""
-    monkeypatch.setattr(_core, "_WARNED", set())
+    monkeypatch.setattr(_matmuls, "_WARNED", set())
     x, w = jnp.ones((8, 4)), jnp.ones((2, 4, 3))
     sizes = jnp.array([3, 5], jnp.int32)
     monkeypatch.setattr(grouped, "covers", lambda eqn: False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import fnmatch
 import functools
 from typing import Callable, Mapping, Optional, Sequence, Union
@@ -14,8 +15,9 @@ import numpy as np
 
 from jamp import activations as act
 from jamp import mixed_ops, scopes
-from jamp.engine import _core
-from jamp.engine._core import ComputeFor, eval_jaxpr
+from jamp.engine._context import ComputeFor, Context
+from jamp.engine._core import eval_jaxpr
+from jamp.engine._subprograms import changes
 
 #: `(key_path, shape) -> (sharding, gathered) or None`: where a leaf of a weak argument (a
 #: model's variables) lives on a mesh, and where a matmul reads it (None: where XLA picks);
@@ -94,7 +96,7 @@ def _inherit(eqn, inherited):
 
 
 @contextlib.contextmanager
-def _cudnn_attention_traced_in_xla_form(compute_dtype, fuse_attention: bool):
+def _cudnn_attention_traced_in_xla_form(compute_dtype, fuse_attention: AttentionFusion):
     """While a model is traced for a 16-bit policy, `jax.nn.dot_product_attention` asked for
     cuDNN on float32 values (which cuDNN refuses: the values become 16-bit only under the
     policy) is traced in its XLA form, which the engine recognises and runs fused again, in the
@@ -166,62 +168,102 @@ def rewrite(
     Returns:
       A function with `fn`'s signature and output dtypes.
     """
-    compute_dtype = None if compute_dtype is None else np.dtype(compute_dtype)
-    reduce_dtype = np.dtype(reduce_dtype)
-    act.resolve(activations)  # a bad value fails here, not at the first call
-    fusion = attention_fusion(fuse_attention)
+    options = _Options(
+        compute_dtype,
+        compute_for,
+        activations,
+        weak_argnums,
+        reduce_dtype,
+        head_in_fp8,
+        fuse_attention,
+    )
 
     def wrapped(*args, **kwargs):
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        traced = [is_traceable(leaf) for leaf in leaves]
-        weak_leaves = [False] * len(leaves)
-        placed_leaves: list[Optional[mixed_ops.Placed]] = [None] * len(leaves)
-        placement_for = _PLACEMENT.get()
-        offset = 0
-        for i, arg in enumerate(args):
-            flat = jax.tree_util.tree_flatten_with_path(arg)[0]
-            if i in weak_argnums:
-                weak_leaves[offset : offset + len(flat)] = [True] * len(flat)
-                if placement_for is not None:
-                    for j, (path, leaf) in enumerate(flat, offset):
-                        where = placement_for(tuple(path), tuple(np.shape(leaf)))
-                        if where is not None:
-                            lives, read = where
-                            placed_leaves[j] = mixed_ops.Placed(lives, reduce_dtype, read)
-            offset += len(flat)
-
-        def flat_fn(*arrays):
-            it = iter(arrays)
-            full = [next(it) if t else leaf for leaf, t in zip(leaves, traced)]
-            a, kw = jax.tree.unflatten(treedef, full)
-            return fn(*a, **kw)
-
-        arrays = [leaf for leaf, t in zip(leaves, traced) if t]
-        weak = [w for w, t in zip(weak_leaves, traced) if t]
-        placed = [p for p, t in zip(placed_leaves, traced) if t]
-        calls = scopes.LinenCalls()  # which params path each linen module's scopes stand for
-        with calls.recording(), _cudnn_attention_traced_in_xla_form(compute_dtype, fuse_attention):
-            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
-        form = act.resolve(activations)
-        act.note(form, compute_dtype)
-        ctx = _core._Ctx(compute_for, form == "compute")
-        if not _core._changes(closed.jaxpr, compute_dtype, ctx):
-            # Nothing to rewrite (e.g. the float32 policy on a float32 model): run it as written,
-            # which is bit-identical also where re-evaluating the program eagerly would not be.
-            return fn(*args, **kwargs)
-        outs = eval_jaxpr(
-            closed.jaxpr,
-            closed.consts,
-            arrays,
-            compute_dtype,
-            compute_for,
-            activations=activations,
-            weak=weak,
-            placed=placed,
-            head_in_fp8=head_in_fp8,
-            fuse_attention=fusion,
-            calls=calls,
-        )
-        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+        return _rewritten(fn, options, args, kwargs)
 
     return wrapped
+
+
+@dataclasses.dataclass
+class _Options:
+    """`rewrite`'s arguments, checked when it is called (a bad one fails there, not at the first
+    call of what it returns); `fusion` is `fuse_attention` in the engine's form."""
+
+    compute_dtype: Optional[np.dtype]
+    compute_for: ComputeFor
+    activations: str
+    weak_argnums: Sequence[int]
+    reduce_dtype: np.dtype
+    head_in_fp8: bool
+    fuse_attention: AttentionFusion
+    fusion: Union[bool, Callable[[str], bool]] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.compute_dtype is not None:
+            self.compute_dtype = np.dtype(self.compute_dtype)
+        self.reduce_dtype = np.dtype(self.reduce_dtype)
+        act.resolve(self.activations)
+        self.fusion = attention_fusion(self.fuse_attention)
+
+
+def _roles(args, count: int, options: _Options) -> tuple[list, list]:
+    """Per leaf of `(args, kwargs)` (`count` of them): whether it is weak (a leaf of a
+    `weak_argnums` argument), and where it lives on a mesh (`placing`), else None."""
+    weak_leaves = [False] * count
+    placed_leaves: list[Optional[mixed_ops.Placed]] = [None] * count
+    placement_for = _PLACEMENT.get()
+    offset = 0
+    for i, arg in enumerate(args):
+        flat = jax.tree_util.tree_flatten_with_path(arg)[0]
+        if i in options.weak_argnums:
+            weak_leaves[offset : offset + len(flat)] = [True] * len(flat)
+            if placement_for is not None:
+                for j, (path, leaf) in enumerate(flat, offset):
+                    where = placement_for(tuple(path), tuple(np.shape(leaf)))
+                    if where is not None:
+                        lives, read = where
+                        placed_leaves[j] = mixed_ops.Placed(lives, options.reduce_dtype, read)
+        offset += len(flat)
+    return weak_leaves, placed_leaves
+
+
+def _rewritten(fn: Callable, options: _Options, args, kwargs):
+    """`fn(*args, **kwargs)`, its traced program evaluated again under `options`."""
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    traced = [is_traceable(leaf) for leaf in leaves]
+    weak_leaves, placed_leaves = _roles(args, len(leaves), options)
+
+    def flat_fn(*arrays):
+        it = iter(arrays)
+        full = [next(it) if t else leaf for leaf, t in zip(leaves, traced)]
+        a, kw = jax.tree.unflatten(treedef, full)
+        return fn(*a, **kw)
+
+    arrays = [leaf for leaf, t in zip(leaves, traced) if t]
+    calls = scopes.LinenCalls()  # which params path each linen module's scopes stand for
+    compute_dtype = options.compute_dtype
+    with (
+        calls.recording(),
+        _cudnn_attention_traced_in_xla_form(compute_dtype, options.fuse_attention),
+    ):
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
+    form = act.resolve(options.activations)
+    act.note(form, compute_dtype)
+    if not changes(closed.jaxpr, compute_dtype, Context(options.compute_for, form == "compute")):
+        # Nothing to rewrite (e.g. the float32 policy on a float32 model): run it as written,
+        # which is bit-identical also where re-evaluating the program eagerly would not be.
+        return fn(*args, **kwargs)
+    outs = eval_jaxpr(
+        closed.jaxpr,
+        closed.consts,
+        arrays,
+        compute_dtype,
+        options.compute_for,
+        activations=options.activations,
+        weak=[w for w, t in zip(weak_leaves, traced) if t],
+        placed=[p for p, t in zip(placed_leaves, traced) if t],
+        head_in_fp8=options.head_in_fp8,
+        fuse_attention=options.fusion,
+        calls=calls,
+    )
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
