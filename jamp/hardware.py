@@ -36,10 +36,10 @@ import re
 from typing import Any, FrozenSet, Iterator, Optional
 
 import jax
-import jmp
 import numpy as np
 
 # The device a program is traced for: jamp.traced_for, re-exported here, where it is asked.
+from jamp.policy import Policy
 from jamp.traced_for import (  # noqa: F401
     Tracing,
     compiling_for,
@@ -273,7 +273,7 @@ def _preset(policy: Any) -> str:
     return presets.get(dtypes, f"the policy computing in {dtypes[1].name}")
 
 
-def auto_policy(device=None, *, cpu: Optional[CpuInfo] = None) -> tuple[jmp.Policy, str]:
+def auto_policy(device=None, *, cpu: Optional[CpuInfo] = None) -> tuple[Policy, str]:
     """The policy ``"auto"`` stands for on `device`, and one line saying why.
 
     mixed_bfloat16 where bfloat16 matmuls are native, float32 where they are not or where jamp
@@ -286,9 +286,9 @@ def auto_policy(device=None, *, cpu: Optional[CpuInfo] = None) -> tuple[jmp.Poli
     """
     s = support(BF16, device, cpu=cpu)
     if s.native:
-        policy = jmp.get_policy("p=f32,c=bf16,o=f32")
+        policy = Policy(F32, BF16, F32)
         return policy, f"auto picked mixed_bfloat16: {s.device} runs bfloat16 matmuls natively."
-    policy = jmp.get_policy("p=f32,c=f32,o=f32")
+    policy = Policy(F32, F32, F32)
     if s.native is None:
         why = f"auto picked float32: {s.device}; {s.detail}"
     else:
@@ -303,8 +303,7 @@ def emulation_warning(policy, device=None, *, cpu: Optional[CpuInfo] = None) -> 
     """One line when `policy`'s compute dtype is emulated on `device`, naming the faster choice.
 
     Args:
-      policy: a `jmp.Policy` (anything with `compute_dtype`; `jamp.get_policy` turns names
-        into one).
+      policy: a `jmp.Policy` (`jamp.get_policy` turns names into one).
       device, cpu: as for `support`.
 
     Returns:
@@ -312,11 +311,11 @@ def emulation_warning(policy, device=None, *, cpu: Optional[CpuInfo] = None) -> 
 
     Example:
         >>> zen3 = parse_cpuinfo("model name : AMD EPYC 7B13\\nflags : avx2\\n")
-        >>> emulation_warning(jmp.get_policy("p=f32,c=bf16,o=f32"), cpu=zen3)  # doctest: +ELLIPSIS
+        >>> emulation_warning(Policy(F32, BF16, F32), cpu=zen3)  # doctest: +ELLIPSIS
         'warning: mixed_bfloat16 computes in bfloat16, which AMD EPYC 7B13 ... float32 is ...'
     """
     dtype = np.dtype(policy.compute_dtype)
-    if getattr(policy, "matmul", "") == "f8":  # jamp.precision's fp8 policies
+    if Policy.of(policy).is_fp8:
         s = support(np.dtype("float8_e4m3fn"), device, cpu=cpu)
         if s.native is not False:
             return None

@@ -1,12 +1,12 @@
 """Precision policies: jmp's string grammar, Keras-style presets and clear errors.
 
 A policy names three dtypes: the one parameters are stored in, the one the
-model computes in, and the one its outputs are returned in. jamp uses
-`jmp.Policy` unchanged, so anything that takes a jmp policy takes ours.
+model computes in, and the one its outputs are returned in. `get_policy` returns one type for
+every spec, `Policy` (`jamp.policy`): a `jmp.Policy`, so anything that takes a jmp policy takes
+ours, with two fields more.
 
 A fourth, optional dtype says what gradients cross the wire in when parameters are sharded
-over devices (FSDP2's `reduce_dtype`): `"mixed_bfloat16,reduce=bf16"`. It defaults to float32;
-a policy that names another is a `jamp.precision.Policy`, a `jmp.Policy` with that one field more.
+over devices (FSDP2's `reduce_dtype`): `"mixed_bfloat16,reduce=bf16"`. It defaults to float32.
 
 A preset may name another params dtype: `"mixed_bfloat16,params=bf16"` stores the params in
 bfloat16 (2 bytes each instead of 4); the train step applies their updates in float32 and rounds
@@ -29,7 +29,8 @@ from typing import Union
 import jax.numpy as jnp
 import jmp
 
-from jamp import fp8, hardware
+from jamp import hardware
+from jamp.policy import Policy
 
 PRESETS = ("float32", "mixed_float16", "mixed_bfloat16", "mixed_fp8")
 
@@ -82,50 +83,28 @@ _MEANT = {
 _F32 = jnp.dtype(jnp.float32)
 
 
-@dataclasses.dataclass(frozen=True)
-class Policy(jmp.Policy):
-    """A `jmp.Policy` that also names the dtype gradients of sharded parameters are reduced in.
-
-    Made by `get_policy` when a spec names a reduce dtype other than float32; every jmp method
-    works as on its base class.
-    """
-
-    reduce_dtype: jnp.dtype = _F32
-    matmul: str = ""  # "" (the compute dtype) or "f8"
-
-    def __str__(self):
-        short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
-        text = super().__str__()
-        if jnp.dtype(self.reduce_dtype) != _F32:
-            text += f",r={short[jnp.dtype(self.reduce_dtype).name]}"
-        return text + (f",m={self.matmul}" if self.matmul else "")
-
-
 def is_fp8(policy: "PolicyLike") -> bool:
     """Whether `policy`'s matmuls run in fp8."""
-    return getattr(get_policy(policy), "matmul", "") == "f8"
+    return get_policy(policy).is_fp8
 
 
 def without_fp8(policy: "PolicyLike") -> jmp.Policy:
-    """`policy` with its matmuls back in its compute dtype (mixed_fp8 -> mixed_bfloat16)."""
-    p = get_policy(policy)
-    if not is_fp8(p):
-        return p
-    if jnp.dtype(p.reduce_dtype) == _F32:
-        return jmp.Policy(p.param_dtype, p.compute_dtype, p.output_dtype)
-    return dataclasses.replace(p, matmul="")
+    """`policy` with its matmuls back in its compute dtype (mixed_fp8 -> mixed_bfloat16).
+
+    A `Policy`, typed as jmp's so that mypy sees the three dtype fields `dataclasses.replace` sets.
+    """
+    return dataclasses.replace(get_policy(policy), matmul="")
 
 
 def autocast_dtype(policy: "PolicyLike"):
     """The dtype `jamp.autocast` runs `policy`'s matmuls in: its compute dtype, or for an fp8
-    policy the marker `jamp.fp8.MATMUL_MARKER` (fp8 matmuls, bfloat16 between them)."""
-    p = get_policy(policy)
-    return fp8.MATMUL_MARKER if is_fp8(p) else jnp.dtype(p.compute_dtype)
+    policy the marker `jamp.policy.MATMUL_MARKER` (fp8 matmuls, bfloat16 between them)."""
+    return get_policy(policy).autocast_dtype
 
 
 def reduce_dtype(policy: "PolicyLike") -> jnp.dtype:
     """The dtype `policy`'s sharded gradients cross devices in: float32 unless it names another."""
-    return jnp.dtype(getattr(get_policy(policy), "reduce_dtype", _F32))
+    return jnp.dtype(get_policy(policy).reduce_dtype)
 
 
 PolicyLike = Union[str, jmp.Policy]
@@ -208,18 +187,19 @@ def auto_reason(spec: PolicyLike) -> Union[str, None]:
     return hardware.auto_policy()[1]
 
 
-def get_policy(spec: PolicyLike) -> jmp.Policy:
-    """Returns the `jmp.Policy` named by `spec`.
+def get_policy(spec: PolicyLike) -> Policy:
+    """Returns the `jamp.precision.Policy` (a `jmp.Policy`) named by `spec`.
 
     Args:
-        spec: a `jmp.Policy` (returned as is); a preset from `PRESETS`; "auto" (the
+        spec: a `jmp.Policy` (a jamp `Policy` is returned as is, jmp's own as a `Policy` with the
+            same three dtypes, not validated); a preset from `PRESETS`; "auto" (the
             preset this device runs fastest: see `auto_reason`); a dtype name for all three
             dtypes ("bf16"); or jmp's "p=...,c=...,o=..." grammar, where an omitted output
             follows compute ("c=f16" computes and returns float16). A preset or "auto" may
             add ",reduce=<dtype>" and ",params=bf16" (bfloat16 stored params).
 
     Returns:
-        The policy, built by `jmp.get_policy`.
+        The policy, its three dtypes parsed by `jmp.get_policy`.
 
     Raises:
         ValueError: naming the bad part of `spec` and listing what is accepted.
@@ -229,7 +209,7 @@ def get_policy(spec: PolicyLike) -> jmp.Policy:
         'params=float32,compute=bfloat16,output=float32'
     """
     if isinstance(spec, jmp.Policy):
-        return spec
+        return Policy.of(spec)
     if not isinstance(spec, str):
         raise _fail(spec, f"expected a string or jmp.Policy, got {type(spec).__name__}")
     normalised, reduce, matmul = _normalise(spec)
@@ -245,11 +225,7 @@ def get_policy(spec: PolicyLike) -> jmp.Policy:
         # fp8 GEMMs beside fp16 elementwise math overflow in the gaps between them
         # (Transformer Engine #2415); bf16 has float32's range.
         raise _fail(spec, "matmul=f8 needs compute=bf16")
-    if reduce != _F32 or matmul:
-        policy = Policy(
-            policy.param_dtype, policy.compute_dtype, policy.output_dtype, reduce, matmul
-        )
-    return policy
+    return Policy(policy.param_dtype, policy.compute_dtype, policy.output_dtype, reduce, matmul)
 
 
 def describe(policy: PolicyLike) -> str:

@@ -48,7 +48,8 @@ PUBLIC = {
 RANK = {
     "_startup": -3,  # what import jamp does before JAX loads: beneath everything
     "jax_compat": -1,  # below mixed_ops, which calls its convolution transposes
-    "precision": 0.75,  # above fp8, whose marker dtype fp8 policies autocast to
+    "precision": 0.75,  # the spec grammar and presets: above hardware ("auto")
+    "policy": -1.5,  # the one policy type: beneath hardware, fp8 and all that read a policy
     "fp8": 0.5,  # above mixed_ops, whose backward dimension numbers it shares
     "mixed_ops": 0,
     "grouped": 0.1,  # grouped GEMMs in a compute dtype: above mixed_ops, beneath the engine

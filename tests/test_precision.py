@@ -64,9 +64,20 @@ def test_get_policy_presets_listed():
         assert _dtypes(get_policy(preset))[0] == F32
 
 
-def test_get_policy_passes_policy_through():
-    policy = jmp.Policy(jnp.float32, jnp.float64, jnp.float16)  # Not validated: returned as is.
-    assert get_policy(policy) is policy
+def test_get_policy_returns_one_type_and_takes_jmp_policies():
+    ours = get_policy("mixed_bfloat16,reduce=bf16")
+    assert get_policy(ours) is ours  # a jamp policy is returned as is
+    theirs = jmp.Policy(jnp.float32, jnp.float64, jnp.float16)  # not validated
+    policy = get_policy(theirs)
+    assert type(policy) is precision.Policy and isinstance(policy, jmp.Policy)
+    assert _dtypes(policy) == _dtypes(theirs)
+    assert (policy.reduce_dtype, policy.matmul) == (jnp.float32, "")
+    # Equal to jmp's own policy with the same dtypes, either way round, and hashed alike.
+    assert policy == theirs and theirs == policy and hash(policy) == hash(theirs)
+    assert get_policy("mixed_bfloat16") == jmp.get_policy("p=f32,c=bf16,o=f32")
+    assert ours != jmp.get_policy("p=f32,c=bf16,o=f32")  # it names a reduce dtype jmp's lacks
+    for spec in ("float32", "mixed_float16", "mixed_fp8", "auto", "c=bf16", "bf16"):
+        assert type(get_policy(spec)) is precision.Policy
 
 
 @pytest.mark.parametrize(
@@ -143,9 +154,9 @@ def test_get_policy_reduce_dtype_is_a_fourth_optional_field(spec, reduce):
     assert precision.reduce_dtype(policy) == jnp.dtype(reduce)
     assert policy.compute_dtype in (jnp.bfloat16, jnp.float16)
     assert policy.cast_to_compute(jnp.ones(2)).dtype == policy.compute_dtype
-    # float32 is the default: naming it gives the plain jmp policy, equal to the preset's.
+    # float32 is the default: naming it gives the preset's policy.
     if jnp.dtype(reduce) == jnp.float32:
-        assert type(policy) is jmp.Policy
+        assert policy == get_policy("mixed_bfloat16") and str(policy) == "p=full,c=bf16,o=full"
     else:
         assert describe(policy).endswith(f",reduce={jnp.dtype(reduce).name}")
         assert get_policy(str(policy)) == policy and get_policy(describe(policy)) == policy

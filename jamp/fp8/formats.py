@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jamp.policy import MATMUL_MARKER
+
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
-#: In an autocast program, this "compute dtype" means: fp8 matmuls, bfloat16 everything else.
-MATMUL_MARKER = E4M3
 #: The dtype carried between matmuls under an fp8 policy.
 CARRIER = np.dtype(jnp.bfloat16)
 RECIPES = ("current", "delayed")
