@@ -49,16 +49,9 @@ from jamp import (  # noqa: F401 (_startup first: it loads JAX, see the module)
 from jamp import jax_compat as _jax_compat
 from jamp.autocast import Autocast, autocast
 from jamp.engine import RecognitionWarning
+from jamp.finite import all_finite, finite_by_group, select_tree
 from jamp.jax_compat import UnsupportedProgramError
-from jamp.loss_scale import (
-    DynamicLossScale,
-    NoOpLossScale,
-    StaticLossScale,
-    all_finite,
-    finite_by_group,
-    loss_scale_for,
-    select_tree,
-)
+from jamp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale, loss_scale_for
 from jamp.precision import PRESETS, get_policy
 from jamp.precision import describe as describe_policy
 from jamp.state import TrainState

@@ -2,9 +2,11 @@
 
 They keep jmp's interface (its constructors, positional and keyword, and `loss_scale`,
 `counter`, `period`, `factor`, `min_loss_scale`, `scale`, `unscale`, `adjust`), so code written
-for `jmp.*LossScale` runs unchanged, with the same numbers step for step. Unlike jmp 0.0.4 they keep every setting through
-`jax.tree_util`, `jit`, `pmap`, AOT lowering and checkpoints: state values are leaves, settings
-are static treedef data, and nothing is validated or converted when JAX rebuilds them.
+for `jmp.*LossScale` runs unchanged, with the same numbers step for step. Unlike jmp 0.0.4 they
+keep every setting through `jax.tree_util`, `jit`, `pmap`, AOT lowering and checkpoints: state
+values are leaves, settings are static treedef data, and nothing is validated or converted when
+JAX rebuilds them. Their settings are checked in `jamp._loss_scale_config`; the finite verdict
+they adjust on is `jamp.finite`'s, re-exported here.
 
 Example:
   >>> ls = DynamicLossScale(2.0**15, growth_interval=100)
@@ -14,16 +16,22 @@ Example:
 
 import dataclasses
 import inspect
-import math
 from typing import Any, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
-import jmp
 import numpy as np
 from flax import struct
 
-from jamp import grad_stats
+from jamp._loss_scale_config import (
+    FP32_MAX,
+    FP32_TINY,
+    _checked_fields,
+    flax_fields,
+    is_number,
+    positive_finite_in_fp32,
+)
+from jamp.finite import all_finite, finite_by_group, select_tree  # noqa: F401
 from jamp.precision import PolicyLike, get_policy
 
 T = TypeVar("T")
@@ -42,30 +50,13 @@ def _multiply(tree: T, factor: jax.Array) -> T:
     return jax.tree_util.tree_map(mul, tree)
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
-
-
-_FP32_MAX = float(np.finfo(np.float32).max)
-_FP32_TINY = float(np.finfo(np.float32).tiny)
-
-
-def _positive_finite_in_fp32(x: float) -> bool:
-    """True when `x` stays a positive, finite, normal number once stored as an fp32 scale.
-
-    A bound or scale past fp32's range becomes inf (or 0) on the device: the scale would then reach
-    inf (or 0) and never leave it, since inf * backoff_factor is inf and 0 * growth_factor is 0.
-    """
-    return _FP32_TINY <= x <= _FP32_MAX and _FP32_TINY <= float(np.float32(x)) <= _FP32_MAX
-
-
 def _as_f32(x: Any) -> Any:
     """Returns numbers and arrays as fp32 arrays; other objects pass through.
 
     JAX rebuilds pytrees with placeholders (tracers of the stored dtype, `ShapedArray`,
     lowering's `ArgInfo`), so only values that are plainly not fp32 are converted.
     """
-    if _is_number(x) or isinstance(x, (np.ndarray, np.generic)):
+    if is_number(x) or isinstance(x, (np.ndarray, np.generic)):
         return jnp.asarray(x, jnp.float32)
     if isinstance(x, jax.Array) and x.dtype != jnp.float32:
         return x.astype(jnp.float32)
@@ -111,10 +102,10 @@ class StaticLossScale:
     loss_scale: jax.Array
 
     def __init__(self, loss_scale):
-        if _is_number(loss_scale) and not _positive_finite_in_fp32(loss_scale):
+        if is_number(loss_scale) and not positive_finite_in_fp32(loss_scale):
             raise ValueError(
                 "StaticLossScale: loss_scale must be > 0 and finite in fp32 (at most "
-                f"{_FP32_MAX:.4g}, at least {_FP32_TINY:.4g}), got {loss_scale}"
+                f"{FP32_MAX:.4g}, at least {FP32_TINY:.4g}), got {loss_scale}"
             )
         object.__setattr__(self, "loss_scale", _as_f32(loss_scale))
 
@@ -127,132 +118,6 @@ class StaticLossScale:
     def adjust(self, grads_finite: jax.Array) -> "StaticLossScale":
         del grads_finite
         return self
-
-
-_DEFAULT_MAX = 2.0**24
-
-
-def _error(message: str) -> ValueError:
-    return ValueError(f"DynamicLossScale: {message}")
-
-
-def _is_whole(value: Any) -> bool:
-    """An int, a whole float (jmp takes `period=5.`) or a concrete integer scalar; not a bool."""
-    if isinstance(value, (float, np.floating)):
-        return math.isfinite(value) and float(value).is_integer()
-    if isinstance(value, (np.ndarray, jax.Array)) and not isinstance(value, jax.core.Tracer):
-        return np.ndim(value) == 0 and jnp.issubdtype(value.dtype, jnp.integer)
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _resolve_jmp_names(period, factor, growth_interval, growth_factor, backoff_factor):
-    """jamp's (growth_interval, growth_factor, backoff_factor) from either naming: jmp's `period`
-    is `growth_interval`; its `factor` grows by `factor` and backs off by `1 / factor`. One
-    setting under both names is an error, not a silent choice."""
-    if period is not None:
-        if growth_interval is not None:
-            raise _error("give period (jmp's name) or growth_interval, not both")
-        growth_interval = period
-    if factor is not None:
-        if growth_factor is not None or backoff_factor is not None:
-            raise _error("give factor (jmp's name) or growth_factor / backoff_factor, not both")
-        if not _is_number(factor) or not factor > 1:
-            raise _error(f"factor must be a number > 1, got {factor!r}")
-        growth_factor, backoff_factor = factor, 1.0 / factor
-    return (
-        2000 if growth_interval is None else growth_interval,
-        2.0 if growth_factor is None else growth_factor,
-        0.5 if backoff_factor is None else backoff_factor,
-    )
-
-
-def _check_config(scale, growth_interval, growth_factor, backoff_factor, hysteresis, lo, hi):
-    """Raises a one-line ValueError naming the first bad setting and what it accepts."""
-    for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
-        if not _is_whole(value) or value < 1:
-            raise _error(
-                f"{name} must be an int >= 1 (or a whole float, as jmp takes), got {value!r}"
-            )
-    bounds = {"min_loss_scale": lo, "max_loss_scale": hi}
-    numbers = {"growth_factor": growth_factor, "backoff_factor": backoff_factor, **bounds}
-    for name, value in numbers.items():
-        if not _is_number(value):
-            raise _error(f"{name} must be a Python number, got {value!r}")
-    if not growth_factor > 1:
-        raise _error(f"growth_factor must be > 1, got {growth_factor}")
-    if not 0 < backoff_factor < 1:
-        raise _error(f"backoff_factor must be in (0, 1), got {backoff_factor}")
-    if jnp.shape(scale) != ():
-        raise _error(f"loss_scale must be a scalar, got shape {jnp.shape(scale)}")
-    if not 0 < lo <= hi < math.inf:
-        raise _error(
-            "need 0 < min_loss_scale <= max_loss_scale < inf (min_loss_scale=0 means no floor), "
-            f"got {lo}, {hi}"
-        )
-    for name, value in bounds.items():
-        if not _positive_finite_in_fp32(value):
-            raise _error(
-                f"{name} must be a normal fp32 number (between {_FP32_TINY:.4g} and "
-                f"{_FP32_MAX:.4g}), got {value}"
-            )
-    try:
-        value = float(scale)
-    except jax.errors.ConcretizationTypeError:
-        return  # Built inside a trace: the value cannot be read, the bounds were checked.
-    if not lo <= value <= hi:
-        raise _error(
-            f"need min_loss_scale <= loss_scale <= max_loss_scale, got {lo}, {value}, {hi}"
-        )
-
-
-def _checked_fields(
-    loss_scale: Any = 2.0**16,
-    counter: Any = 0,
-    period: int | None = None,
-    factor: float | None = None,
-    min_loss_scale: Any = 1.0,
-    *,
-    growth_interval: int | None = None,
-    growth_factor: float | None = None,
-    backoff_factor: float | None = None,
-    hysteresis: int = 1,
-    max_loss_scale: float | None = None,
-    hysteresis_left: Any = None,
-) -> dict[str, Any]:
-    """The fields of the scale that a user's call (jmp's arguments, jamp's or both) asks for."""
-    growth_interval, growth_factor, backoff_factor = _resolve_jmp_names(
-        period, factor, growth_interval, growth_factor, backoff_factor
-    )
-    lo, hi = min_loss_scale, max_loss_scale
-    if isinstance(lo, (np.ndarray, np.generic, jax.Array)) and np.ndim(lo) == 0:
-        try:  # jmp keeps min_loss_scale as a 0-d array
-            lo = float(lo)
-        except jax.errors.ConcretizationTypeError:
-            raise _error(
-                "min_loss_scale must be a concrete number (it is static configuration), "
-                "got a traced value"
-            ) from None
-    lo = _FP32_TINY if _is_number(lo) and lo == 0 else lo  # jmp's "no floor"
-    if hi is None:  # 2**24, or a larger initial scale: jmp's scale has no upper bound
-        try:
-            hi = max(_DEFAULT_MAX, float(loss_scale))
-        except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
-            hi = _DEFAULT_MAX
-        # A scale past fp32's range stays an error, reported as the scale's.
-        hi = hi if _positive_finite_in_fp32(hi) else _DEFAULT_MAX
-    _check_config(loss_scale, growth_interval, growth_factor, backoff_factor, hysteresis, lo, hi)
-    left = hysteresis if hysteresis_left is None else hysteresis_left
-    return dict(
-        loss_scale=jnp.asarray(loss_scale, jnp.float32),
-        counter=jnp.asarray(counter, jnp.int32),
-        hysteresis_left=jnp.asarray(left, jnp.int32),
-        growth_interval=int(growth_interval),
-        growth_factor=float(growth_factor),
-        backoff_factor=float(backoff_factor),
-        hysteresis=int(hysteresis),
-        min_loss_scale=float(lo),
-        max_loss_scale=float(hi),
-    )
 
 
 @struct.dataclass
@@ -279,11 +144,10 @@ class DynamicLossScale:
     2**16), `counter` and `hysteresis_left` (int32; the latter stored clamped at 0, which
     changes no decision). The other fields are static settings.
 
-    The call takes jmp's arguments, positionally or by keyword and with jmp's meaning (it grows
-    by `factor` every `period` finite steps and backs off by `1 / factor`; `.period` and
-    `.factor` read them back), and jamp's own settings by keyword; a setting takes one of its two
-    names, not both. It checks every setting, except in a call that names every field by
-    keyword, which is how JAX, `replace` and `flax.serialization` rebuild a scale.
+    The call takes jmp's arguments, positionally or by keyword (`.period` and `.factor` read
+    them back), and jamp's own settings by keyword; a setting takes one of its two names, not
+    both. It checks every setting, except in a call that names every field by keyword, which is
+    how JAX, `replace` and `flax.serialization` rebuild a scale.
 
     Args:
       loss_scale: initial scale.
@@ -335,16 +199,7 @@ class DynamicLossScale:
         jamp's N + 1; `fin_steps` is `counter`; no `minimum_scale` is fp32's smallest normal
         number; Flax's growth stops at fp32's largest, which becomes `max_loss_scale`.
         """
-        ds = dynamic_scale
-        return cls(
-            ds.scale,
-            counter=ds.fin_steps,
-            growth_interval=int(ds.growth_interval) + 1,
-            growth_factor=ds.growth_factor,
-            backoff_factor=ds.backoff_factor,
-            min_loss_scale=_FP32_TINY if ds.minimum_scale is None else ds.minimum_scale,
-            max_loss_scale=_FP32_MAX,
-        )
+        return cls(**flax_fields(dynamic_scale))
 
     @property
     def period(self) -> int:
@@ -395,62 +250,11 @@ class DynamicLossScale:
         )
 
 
-# The call with which JAX, `replace` and flax.serialization rebuild a scale names all of these.
+# A rebuild's call (the class's docstring) names all of these.
 _FIELDS = {field.name for field in dataclasses.fields(DynamicLossScale)}
 
 
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
-
-
-def all_finite(tree: Any) -> jax.Array:
-    """Returns a bool scalar array: True when every leaf of `tree` is finite.
-
-    Delegates to `jmp.all_finite`, which handles int and bool leaves and empty trees.
-    Under `pmap`, average the gradients first so every replica reaches the same verdict.
-
-    Example:
-      >>> bool(all_finite({"w": jnp.array([1.0, jnp.inf])}))
-      False
-    """
-    return jmp.all_finite(tree)
-
-
-def finite_by_group(tree: Any, depth: int = 1) -> dict[str, jax.Array]:
-    """Returns `{group: bool scalar}`: whether every leaf of each group of `tree` is finite.
-
-    A group is a path prefix of `depth` branching levels: for a Flax params tree with depth=1,
-    the model's top-level modules ("Dense_0", "Block_3", ...; an NNX model's list of blocks gives
-    one group per item, "blocks/3"). The flags come from one pass over the leaves
-    (`jamp.grad_stats`, which gives the global norm from the same pass), so a train step can
-    say which modules overflowed at no extra cost; `all_finite(tree)` is the `and` of the values.
-
-    Example:
-      >>> flags = finite_by_group({"a": {"w": jnp.ones(2)}, "b": {"w": jnp.array([jnp.inf])}})
-      >>> {k: bool(v) for k, v in flags.items()}
-      {'a': True, 'b': False}
-    """
-    if depth < 1:
-        raise ValueError(f"depth must be >= 1, got {depth!r}.")
-    return grad_stats.grad_stats(tree, depth).finite_by_group
-
-
-def select_tree(pred: Any, a: T, b: T) -> T:
-    """Returns `a` where the bool scalar `pred` is True, else `b`, leaf by leaf.
-
-    Args:
-      pred: bool scalar (Python bool or array, possibly traced).
-      a, b: trees of the same structure and leaf dtypes.
-
-    Returns:
-      A tree like `a`; use it to skip an update whose gradients overflowed.
-
-    Example:
-      >>> params = select_tree(grads_finite, new_params, params)
-    """
-    pred = jnp.asarray(pred)
-    if pred.shape != () or pred.dtype != jnp.bool_:
-        raise ValueError(f"pred must be a bool scalar, got {pred.dtype}{pred.shape}")
-    return jmp.select_tree(pred, a, b)
 
 
 def loss_scale_for(policy: PolicyLike) -> LossScale:

@@ -64,6 +64,8 @@ RANK = {
     "lowbit": -0.5,  # low-bit optimizer state: beneath placement, which places and counts it
     "losses": 0.3,  # losses with their own backward, above mixed_ops (the fused head's matmuls)
     "grad_stats": 0.5,  # one pass over the gradients: beneath loss_scale and the step
+    "finite": 0.6,  # the finite verdict: above grad_stats, beneath loss_scale and the step
+    "_loss_scale_config": 0.95,  # a loss scale's settings checked: beneath loss_scale
     "loss_scale": 1,
     "engine": 0.9,  # the interpreter beneath autocast, wrap and nnx
     "attention": 0.6,  # fused attention in a compute dtype, which the engine calls

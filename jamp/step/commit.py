@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jamp.loss_scale import select_tree
+from jamp.finite import select_tree
 from jamp.state import TrainState
 from jamp.step.check import Checked
 from jamp.step.gradients import Grads

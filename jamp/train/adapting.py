@@ -15,7 +15,8 @@ import numpy as np
 
 from jamp import adaptive, precision
 from jamp import nnx as jamp_nnx
-from jamp.loss_scale import DynamicLossScale, finite_by_group
+from jamp.finite import finite_by_group
+from jamp.loss_scale import DynamicLossScale
 from jamp.step import FP8_SATURATION
 from jamp.train.overflow_watch import BY_MODULE, FORWARD
 from jamp.wrap import Wrapped, module_policies, wrap
