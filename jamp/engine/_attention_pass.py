@@ -11,7 +11,7 @@ import jax
 from jamp import fp8
 from jamp.engine import _attention, _guard, _matmuls, _repeats
 from jamp.engine import _values as V
-from jamp.engine._interpreter import Pass, Program, Visit
+from jamp.engine._interpreter import Pass, Phase, Program, Visit
 
 
 def _attention_dtype(dtype):
@@ -48,6 +48,8 @@ class FuseAttention(Pass):
     """Settles the steps of a recognised attention: from its first matmul on they are values
     held symbolically (`_attention.Sym`), until its second matmul runs the whole as one call.
     Any other equation reads them computed, as traced."""
+
+    phase = Phase.SETTLE
 
     def __init__(self, program: Program, fuser: _attention.Fuser):
         self.program, self.fuser = program, fuser
@@ -92,6 +94,8 @@ class FuseAttention(Pass):
 class NoteRepeats(Pass):
     """Notes each repeat of keys and values (`_repeats.repeat_of`) in `Context.repeats`, where
     the attention pass finds it: only in a program where attention may be fused."""
+
+    phase = Phase.NOTE
 
     def __init__(self, program: Program):
         self.program = program

@@ -18,24 +18,45 @@ from jamp import fp8, mixed_ops, scopes
 from jamp.engine import _attention_pass, _passes, _recompute_pass
 from jamp.engine import _values as V
 from jamp.engine._context import ComputeFor, Context
-from jamp.engine._interpreter import Pass, Program
+from jamp.engine._interpreter import Pass, Phase, Program
 
-__all__ = ["ComputeFor", "PASSES", "eval_jaxpr", "interpret"]
+__all__ = ["ComputeFor", "PASSES", "eval_jaxpr", "in_phase_order", "interpret"]
+
+Factory = Callable[[Program], Optional[Pass]]
+
+
+def in_phase_order(factories: Sequence[Factory]) -> tuple[Factory, ...]:
+    """`factories` (each a `Pass` subclass's `start`), checked to run their passes in `Phase`
+    order with exactly one that evaluates; raises ValueError naming the first pass out of order."""
+    passes = [start.__self__ for start in factories]  # type: ignore[attr-defined]  # classmethods
+    for before, after in zip(passes, passes[1:]):
+        if after.phase < before.phase:
+            raise ValueError(
+                f"engine pass {after.__name__} ({after.phase.name}) runs after "
+                f"{before.__name__} ({before.phase.name}): passes run in Phase order"
+            )
+    evaluators = [p.__name__ for p in passes if p.phase == Phase.EVALUATE]
+    if len(evaluators) != 1:
+        raise ValueError(f"one engine pass evaluates each equation, not {evaluators}")
+    return tuple(factories)
+
 
 #: The passes, as factories of a program's (None: nothing to do in it), in the order each
-#: equation meets them. The order is the engine's: a region recomputed in the backward takes its
-#: equations before anything else sees them; an attention's steps are held symbolically before
-#: they could be evaluated; the placements are read before the evaluation that uses them; and
-#: what follows values through layout operations (copies, saved arrays, repeats) reads what the
-#: evaluation produced.
-PASSES: tuple[Callable[[Program], Optional[Pass]], ...] = (
-    _recompute_pass.RecomputeRegions.start,  # activation functions recomputed in the backward
-    _attention_pass.FuseAttention.start,  # attention as one call
-    _passes.FollowPlacements.start,  # the sharded parameters' placements
-    _passes.DtypeRules.start,  # evaluates: the compute dtype, the dtypes values are carried in
-    _passes.FollowCopies.start,  # the params' 16-bit copies a train step holds ready
-    _passes.FollowSaved.start,  # the 16-bit arrays the backward keeps (fp8 reads them)
-    _attention_pass.NoteRepeats.start,  # keys and values repeated for grouped-query attention
+#: equation meets them, which their phases fix (`Phase`, checked as the module loads): a region
+#: recomputed in the backward takes its equations before anything else sees them; an attention's
+#: steps are held symbolically before they could be evaluated; the placements are read before
+#: the evaluation that uses them; and what follows values through layout operations (copies,
+#: saved arrays, repeats) reads what the evaluation produced. Within a phase the order is free.
+PASSES: tuple[Factory, ...] = in_phase_order(
+    (
+        _recompute_pass.RecomputeRegions.start,  # activation functions recomputed in the backward
+        _attention_pass.FuseAttention.start,  # attention as one call
+        _passes.FollowPlacements.start,  # the sharded parameters' placements
+        _passes.DtypeRules.start,  # evaluates: the compute dtype, the dtypes values are carried in
+        _passes.FollowCopies.start,  # the params' 16-bit copies a train step holds ready
+        _passes.FollowSaved.start,  # the 16-bit arrays the backward keeps (fp8 reads them)
+        _attention_pass.NoteRepeats.start,  # keys and values repeated for grouped-query attention
+    )
 )
 
 

@@ -5,12 +5,16 @@ Each pass decides one concern of the engine's for an equation (`Visit`): it may 
 equation before it is evaluated (it wrote what the equation produced, or will), set what the
 evaluation reads (its operands, their placements), evaluate it, or note what it evaluated to;
 the passes after one that settles an equation do not see it. The interpreter writes the
-results of an equation no pass settled."""
+results of an equation no pass settled.
+
+Each pass declares its `Phase`, the point of that walk it acts at; `jamp.engine._core` checks
+that its passes run in phase order."""
 
 from __future__ import annotations
 
+import enum
 import functools
-from typing import Any, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence
 
 import jax
 from jax.extend import core as jcore
@@ -38,9 +42,26 @@ class Visit:
         return [self.program.read(v) for v in self.eqn.invars]
 
 
+class Phase(enum.IntEnum):
+    """Where in an equation's walk a pass acts; the passes run in this order."""
+
+    #: takes whole regions of equations, before any of them is seen one by one
+    REGIONS = 0
+    #: takes an equation (or the pattern it starts) before it is evaluated
+    SETTLE = 1
+    #: sets what the evaluation reads (the operands' placements)
+    OPERANDS = 2
+    #: evaluates it: exactly one pass
+    EVALUATE = 3
+    #: reads what it evaluated to
+    NOTE = 4
+
+
 class Pass:
     """One concern of the engine's, for one program (made by the registered factory, which
     returns None where the concern has nothing to do in the program)."""
+
+    phase: ClassVar[Phase]
 
     @classmethod
     def start(cls, program: "Program") -> Optional["Pass"]:

@@ -10,12 +10,14 @@ from jax.extend import core as jcore
 
 from jamp import copies
 from jamp.engine import _values as V
-from jamp.engine._interpreter import Pass, Program, Visit
+from jamp.engine._interpreter import Pass, Phase, Program, Visit
 
 
 class FollowPlacements(Pass):
     """The placements of a program's sharded parameters (`_rewrite.placing`), which its matmuls
     read them by, followed through transposes and casts."""
+
+    phase = Phase.OPERANDS
 
     def __init__(self, placed: dict):
         self.placed = placed
@@ -35,6 +37,8 @@ class FollowPlacements(Pass):
 
 class DtypeRules(Pass):
     """Evaluates the equation by the dtype rules (`jamp.engine._dtypes`)."""
+
+    phase = Phase.EVALUATE
 
     def __init__(self, program: Program):
         self.program = program
@@ -57,6 +61,8 @@ class FollowCopies(Pass):
     """The params' 16-bit copies that a train step holds ready (`jamp.copies.ready_casts`),
     followed through a kernel's transpose or reshape to the matmul that reads it."""
 
+    phase = Phase.NOTE
+
     @classmethod
     def start(cls, program: Program) -> Optional[Pass]:
         return cls()
@@ -73,6 +79,8 @@ class FollowCopies(Pass):
 class FollowSaved(Pass):
     """The 16-bit arrays the backward keeps anyway (`Context.saved`: a fused attention's
     output), followed through reshapes and transposes to the fp8 matmuls that read them."""
+
+    phase = Phase.NOTE
 
     def __init__(self, program: Program):
         self.saved = program.ctx.saved

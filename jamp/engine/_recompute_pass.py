@@ -10,13 +10,15 @@ import jax
 from jax.extend import core as jcore
 
 from jamp.engine import _attention, _guard, _recompute
-from jamp.engine._interpreter import Pass, Program, Visit
+from jamp.engine._interpreter import Pass, Phase, Program, Visit
 
 
 class RecomputeRegions(Pass):
     """Settles the equations of each region: those before its last wait for it, and its last
     evaluates them all under `jax.checkpoint`; where that cannot be, they go through the passes
     after this one, one by one."""
+
+    phase = Phase.REGIONS
 
     def __init__(self, program: Program):
         self.program = program
