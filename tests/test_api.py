@@ -77,6 +77,8 @@ RANK = {
     "sharding": 4,
     "models": 4,
     "checkpoint": 4,
+    "stored_state": 3.8,  # the run's state against a checkpoint's: beneath checkpoint
+    "stale_reads": 3.8,  # a failed Orbax restore's leftover reads silenced: beneath checkpoint
     "data": 4,
     "metrics": 4,
     "optim": 4,
@@ -101,12 +103,13 @@ RANK = {
 # The training program's modules (jamp/train/): ranked like the library's, by their own name.
 PROGRAM = {"loop", "run_config", "run_log", "checkpoint", "metrics", "optim", "tasks"}
 PROGRAM |= {"overflow_watch", "data", "cli", "cli_help", "nnx_adapter", "adapting", "plan"}
-PROGRAM |= {"steps", "stop", "recipe_step", "fp8_sites"}
+PROGRAM |= {"steps", "stop", "recipe_step", "fp8_sites", "stored_state", "stale_reads"}
 # Heavy or program-only dependencies, and the only modules allowed to import them.
 CONFINED = {
     "tensorflow": {"data"},
     "tensorflow_datasets": {"data"},
-    "orbax": {"checkpoint"},
+    # stale_reads recognises Orbax's read coroutines by the directory of Orbax's own files.
+    "orbax": {"checkpoint", "stale_reads"},
     "ml_collections": {"run_config", "loop", "cli"},
 }
 
