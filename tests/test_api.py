@@ -51,6 +51,7 @@ RANK = {
     "precision": 0.75,  # above fp8, whose marker dtype fp8 policies autocast to
     "fp8": 0.5,  # above mixed_ops, whose backward dimension numbers it shares
     "mixed_ops": 0,
+    "conv_patches": -0.5,  # a convolution as a matmul over its patches: beneath mixed_ops
     "grouped": 0.1,  # grouped GEMMs in a compute dtype: above mixed_ops, beneath the engine
     "copies": -1,  # the params' 16-bit copies: beneath mixed_ops and the engine, which read them
     "extension": -1.5,  # the train step's extension interface: beneath fp8 and copies
