@@ -11,7 +11,7 @@ times forward + backward (both gradients) of one convolution, interleaved in rou
   patches  the same with the patch-matmul lowering forced: bf16 x bf16 -> fp32 matmuls
 
 and reports each variant's time relative to fp32 (median of per-round ratios). The lowering's
-channel limit in jamp/mixed_ops.py (_PATCH_MAX_CHANNELS) comes from this table. Writes
+channel limit in jamp/conv_patches.py (MAX_CHANNELS) comes from this table. Writes
 experiments/results/conv_lowering_cpu.md.
 """
 
@@ -28,19 +28,19 @@ from _harness.tables import fmt_ratio
 from _harness.timing import interleaved, median_ms, ratio_stats
 from jax import lax
 
-from jamp import mixed_ops
+from jamp import conv_patches, mixed_ops
 
 DN = ("NHWC", "HWIO", "NHWC")
 
 
 @contextlib.contextmanager
 def _patch_limit(channels):
-    saved = mixed_ops._PATCH_MAX_CHANNELS
-    mixed_ops._PATCH_MAX_CHANNELS = channels
+    saved = conv_patches.MAX_CHANNELS
+    conv_patches.MAX_CHANNELS = channels
     try:
         yield
     finally:
-        mixed_ops._PATCH_MAX_CHANNELS = saved
+        conv_patches.MAX_CHANNELS = saved
 
 
 def _conv(x, w):
@@ -111,7 +111,7 @@ def _write_table(rows, rounds, steps):
         "XLA:CPU has no 16-bit convolution: the native bf16 column is its fp32 convolution plus",
         "casts. The patch matmul runs on the fast bf16 x bf16 -> fp32 kernels but materialises a",
         "patch matrix 9x the input; on this memory-bound 2-core VM that pays off only for inputs",
-        "with few channels, which sets jamp's limit (jamp/mixed_ops.py `_PATCH_MAX_CHANNELS`).",
+        "with few channels, which sets jamp's limit (jamp/conv_patches.py `MAX_CHANNELS`).",
     ]
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "conv_lowering_cpu.md"

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from typing import Optional
 
 import jax
@@ -34,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jamp import copies, hardware, jax_compat
+from jamp import conv_patches, copies, hardware, jax_compat
 
 # Accumulate in float32: 16-bit accumulation loses the small terms of long sums.
 _ACC = np.dtype(jnp.float32)
@@ -314,73 +313,8 @@ def _conv_bwd(params, compute_dtype, out_dtype, placed, residuals, g):
 _mixed_conv.defvjp(_conv_fwd, _conv_bwd)
 
 
-# ----- convolutions with few input channels, as one matmul over extracted patches (CPU)
-
-# XLA:CPU has no 16-bit convolution kernel: it upcasts and runs its fp32 convolution, which is
-# slow when the input has few channels (an image net's first layer). There, extracting the
-# patches and running one bf16 x bf16 -> fp32 matmul is 2-5x faster forward and backward
-# (experiments/results/conv_lowering_cpu.md); with more channels the patch matrix grows with the
-# window size, and on this memory-bound CPU the native convolution wins, so the lowering stops at:
-_PATCH_MAX_CHANNELS = 3
-
-
-def _patch_lowerable(lhs, rhs, params) -> bool:
-    dn = params["dimension_numbers"]
-    spatial = len(dn.lhs_spec) - 2
-    return (
-        hardware.target_platform() == "cpu"
-        and spatial >= 1
-        and params["feature_group_count"] == 1
-        and params["batch_group_count"] == 1
-        and all(d == 1 for d in params["lhs_dilation"])
-        and all(d == 1 for d in params["rhs_dilation"])
-        and all(lo >= 0 and hi >= 0 for lo, hi in params["padding"])
-        and lhs.shape[dn.lhs_spec[1]] <= _PATCH_MAX_CHANNELS
-    )
-
-
-def _window_offsets(window):
-    return list(itertools.product(*(range(k) for k in window)))
-
-
-def _extract_patches(x, window, strides, padding):
-    """[N, *S, C] -> [N, *O, prod(window) * C]: window offsets major, channels minor."""
-    zero = jnp.zeros((), x.dtype)
-    xp = lax.pad(x, zero, [(0, 0, 0)] + [(lo, hi, 0) for lo, hi in padding] + [(0, 0, 0)])
-    out = [(xp.shape[1 + d] - k) // s + 1 for d, (k, s) in enumerate(zip(window, strides))]
-    cols = []
-    for offs in _window_offsets(window):
-        start = (0,) + offs + (0,)
-        limit = (x.shape[0],) + tuple(o + (n - 1) * s + 1 for o, n, s in zip(offs, out, strides))
-        cols.append(lax.slice(xp, start, limit + (x.shape[-1],), (1,) + tuple(strides) + (1,)))
-    return jnp.concatenate(cols, axis=-1)
-
-
-def _scatter_patches(d_patches, x_shape, window, strides, padding):
-    """The transpose of `_extract_patches`: sums each patch entry back onto its input position."""
-    n, *spatial, c = x_shape
-    out = d_patches.shape[1:-1]
-    d_patches = d_patches.reshape(d_patches.shape[:-1] + (len(_window_offsets(window)), c))
-    padded = [s + lo + hi for s, (lo, hi) in zip(spatial, padding)]
-    zero = jnp.zeros((), d_patches.dtype)
-    total = None
-    for k, offs in enumerate(_window_offsets(window)):
-        config = [(0, 0, 0)]
-        for o, m, s, p in zip(offs, out, strides, padded):
-            config.append((o, p - o - (m - 1) * s - 1, s - 1))
-        piece = lax.pad(d_patches[..., k, :], zero, config + [(0, 0, 0)])
-        total = piece if total is None else total + piece
-    start = (0,) + tuple(lo for lo, _ in padding) + (0,)
-    return lax.slice(total, start, tuple(a + b for a, b in zip(start, x_shape)))
-
-
-def _channels_last_perms(dn):
-    # Transposes taking lhs to [N, *S, C], rhs to [*window, I, O], the result to [N, *S, C].
-    lhs = (dn.lhs_spec[0],) + tuple(dn.lhs_spec[2:]) + (dn.lhs_spec[1],)
-    rhs = tuple(dn.rhs_spec[2:]) + (dn.rhs_spec[1], dn.rhs_spec[0])
-    out = (dn.out_spec[0],) + tuple(dn.out_spec[2:]) + (dn.out_spec[1],)
-    return lhs, rhs, out
-
+# ----- convolutions with few input channels, as one matmul over their patches (CPU): when, and
+# the patches' layout, are `jamp.conv_patches`'; the products and their VJP are these.
 
 _MM = (((1,), (0,)), ((), ()))
 
@@ -392,10 +326,10 @@ def _patch_conv(lhs, rhs, params, compute_dtype, out_dtype, placed, lowering):
 
 def _patch_conv_fwd(lhs, rhs, params, compute_dtype, out_dtype, placed, lowering):
     p = dict(params)
-    to_lhs, to_rhs, to_out = _channels_last_perms(p["dimension_numbers"])
+    to_lhs, to_rhs, to_out = conv_patches.channels_last_perms(p["dimension_numbers"])
     x = lax.transpose(_to_compute(lhs, compute_dtype, placed[0]), to_lhs)
     w = lax.transpose(_to_compute(rhs, compute_dtype, placed[1]), to_rhs)
-    patches = _extract_patches(x, w.shape[:-2], p["window_strides"], p["padding"])
+    patches = conv_patches.extract(x, w.shape[:-2], p["window_strides"], p["padding"])
     w2 = w.reshape(-1, w.shape[-1])
     out = _matmul(patches.reshape(-1, w2.shape[0]), w2, _MM, _ACC, lowering=lowering)
     out = out.reshape(patches.shape[:-1] + (w2.shape[1],))
@@ -408,7 +342,7 @@ def _patch_conv_fwd(lhs, rhs, params, compute_dtype, out_dtype, placed, lowering
 def _patch_conv_bwd(params, compute_dtype, out_dtype, placed, lowering, residuals, g):
     del out_dtype
     p = dict(params)
-    to_lhs, to_rhs, to_out = _channels_last_perms(p["dimension_numbers"])
+    to_lhs, to_rhs, to_out = conv_patches.channels_last_perms(p["dimension_numbers"])
     patches, w, lhs_like, rhs_like = residuals
     g2 = lax.transpose(g.astype(compute_dtype), to_out).reshape(-1, w.shape[-1])
     p2 = patches.reshape(-1, patches.shape[-1])
@@ -419,7 +353,7 @@ def _patch_conv_bwd(params, compute_dtype, out_dtype, placed, lowering, residual
     d_patches = _matmul(
         g2, w.reshape(-1, w.shape[-1]), (((1,), (1,)), ((), ())), _ACC, _ACC, lowering
     )
-    d_x = _scatter_patches(
+    d_x = conv_patches.scatter(
         d_patches.reshape(patches.shape),
         lhs_like.shape[1:],
         w.shape[:-2],
@@ -454,7 +388,7 @@ def mixed_conv(lhs, rhs, params, compute_dtype, out_dtype, placed=_UNPLACED):
     """
     frozen = tuple(sorted((k, v) for k, v in params.items() if k != "preferred_element_type"))
     dtypes = (np.dtype(compute_dtype), np.dtype(out_dtype), tuple(placed))
-    if _patch_lowerable(lhs, rhs, params):
+    if conv_patches.lowerable(lhs, rhs, params):
         return _patch_conv(lhs, rhs, frozen, *dtypes, hardware.matmul_lowering(compute_dtype))
     ready = copies.ready_operands(lhs, rhs, compute_dtype)
     return _mixed_conv(lhs, rhs, ready, frozen, *dtypes)

@@ -52,6 +52,7 @@ RANK = {
     "policy": -1.5,  # the one policy type: beneath hardware, fp8 and all that read a policy
     "fp8": 0.5,  # above mixed_ops, whose backward dimension numbers it shares
     "mixed_ops": 0,
+    "conv_patches": -0.5,  # a convolution as a matmul over its patches: beneath mixed_ops
     "grouped": 0.1,  # grouped GEMMs in a compute dtype: above mixed_ops, beneath the engine
     "copies": -1,  # the params' 16-bit copies: beneath mixed_ops and the engine, which read them
     "extension": -1.5,  # the train step's extension interface: beneath fp8 and copies
@@ -80,6 +81,8 @@ RANK = {
     "sharding": 4,
     "models": 4,
     "checkpoint": 4,
+    "stored_state": 3.8,  # the run's state against a checkpoint's: beneath checkpoint
+    "stale_reads": 3.8,  # a failed Orbax restore's leftover reads silenced: beneath checkpoint
     "data": 4,
     "metrics": 4,
     "optim": 4,
@@ -104,12 +107,13 @@ RANK = {
 # The training program's modules (jamp/train/): ranked like the library's, by their own name.
 PROGRAM = {"loop", "run_config", "run_log", "checkpoint", "metrics", "optim", "tasks"}
 PROGRAM |= {"overflow_watch", "data", "cli", "cli_help", "nnx_adapter", "adapting", "plan"}
-PROGRAM |= {"steps", "stop", "recipe_step", "fp8_sites"}
+PROGRAM |= {"steps", "stop", "recipe_step", "fp8_sites", "stored_state", "stale_reads"}
 # Heavy or program-only dependencies, and the only modules allowed to import them.
 CONFINED = {
     "tensorflow": {"data"},
     "tensorflow_datasets": {"data"},
-    "orbax": {"checkpoint"},
+    # stale_reads recognises Orbax's read coroutines by the directory of Orbax's own files.
+    "orbax": {"checkpoint", "stale_reads"},
     "ml_collections": {"run_config", "loop", "cli"},
 }
 

@@ -294,11 +294,11 @@ def test_checkpointer_drops_orbax_reads_abandoned_by_a_failed_restore(monkeypatc
     import tensorstore as ts
     from orbax.checkpoint._src.serialization import limits, serialization
 
-    from jamp.train import checkpoint
+    from jamp.train import stale_reads
 
     reached = []  # what the hook passes on to the one it replaced
     monkeypatch.setattr(sys, "unraisablehook", reached.append)
-    checkpoint._ignore_stale_read_callbacks()
+    stale_reads.ignore_stale_read_callbacks()
     released = threading.Event()
 
     def slow_read(domain, array, params):  # a read still in flight when the loop closes

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from jamp import mixed_ops
+from jamp import conv_patches, mixed_ops
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
 
@@ -133,7 +133,7 @@ def _all_eqns(jaxpr):
 
 
 def _lowered(lhs, rhs, kwargs):
-    return mixed_ops._patch_lowerable(lhs, rhs, _conv_params(lhs, rhs, **kwargs))
+    return conv_patches.lowerable(lhs, rhs, _conv_params(lhs, rhs, **kwargs))
 
 
 class _Hashable(dict):

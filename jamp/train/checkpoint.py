@@ -34,8 +34,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
-import sys
 from typing import Any, Callable, Optional
 
 import jax
@@ -44,34 +42,14 @@ import orbax.checkpoint as ocp
 
 from jamp.copies import compute_copies, dtype_of
 from jamp.state import TrainState
+from jamp.train import stale_reads, stored_state
+from jamp.train.stored_state import OPTIONAL_FIELDS
 
 logger = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be saved or restored; the message is one line meant for the user."""
-
-
-def _key_name(key: Any) -> str:
-    for attr in ("key", "name", "idx"):  # DictKey / FlattenedIndexKey, GetAttrKey, SequenceKey
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def _shape_dtype(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
-    dtype = leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf)
-    return tuple(np.shape(leaf) if not hasattr(leaf, "shape") else leaf.shape), np.dtype(dtype)
-
-
-def _leaf_specs(tree: Any) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Maps 'params/Dense_0/kernel'-style paths to (shape, dtype) for every array leaf of `tree`.
-
-    Works for a `TrainState` and for Orbax's stored metadata tree alike: Orbax stores attributes
-    and named-tuple fields as dict keys and tuples as lists, which give the same path strings.
-    """
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {"/".join(_key_name(k) for k in path): _shape_dtype(leaf) for path, leaf in leaves}
 
 
 def _first_line(error: BaseException) -> str:
@@ -84,172 +62,6 @@ def _first_line(error: BaseException) -> str:
     if len(text) > 200:  # tensorstore errors spell out the whole spec
         text = text[:200] + "..."
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
-def _describe_mismatch(stored: dict, wanted: dict) -> str | None:
-    """Returns the first difference between two `_leaf_specs` maps (and how many more), or None."""
-    problems = []
-    # In the target's order (params first), then what only the checkpoint has.
-    for path in [*wanted, *(p for p in stored if p not in wanted)]:
-        if path not in wanted:
-            problems.append(f"{path} is in the checkpoint but not in this model's state")
-        elif path not in stored:
-            problems.append(f"{path} is in this model's state but not in the checkpoint")
-        elif stored[path][0] != wanted[path][0]:
-            problems.append(
-                f"{path} has shape {stored[path][0]} in the checkpoint and {wanted[path][0]} here"
-            )
-        elif stored[path][1] != wanted[path][1]:
-            problems.append(
-                f"{path} has dtype {stored[path][1]} in the checkpoint and {wanted[path][1]} here"
-            )
-    if not problems:
-        return None
-    more = f" (and {len(problems) - 1} more differences)" if len(problems) > 1 else ""
-    return problems[0] + more
-
-
-# Orbax's own files: its read coroutines and tasks are recognised by where their code lives and
-# by their names (`_read_array_index_and_device_put`, `async_deserialize`): a save's are kept.
-_ORBAX_DIR = os.path.dirname(os.path.abspath(ocp.__file__))
-_READ_TASK = re.compile(r"coro=<(\w*(?:read|deserializ)\w*)\(\) .* at " + re.escape(_ORBAX_DIR))
-
-
-def _is_orbax_read(name: str, filename: str) -> bool:
-    return filename.startswith(_ORBAX_DIR) and ("read" in name or "deserializ" in name)
-
-
-def _ignore_stale_read_callbacks() -> None:
-    """Silences the reports a failed Orbax read leaves behind (process-wide, once).
-
-    When one array of a checkpoint cannot be read, Orbax's restore fails and closes its event
-    loop while its other reads are still pending. Each of them is reported later, at some garbage
-    collection, long after the failure was handled: tensorstore's callback into the closed loop
-    ("RuntimeError: Event loop is closed"), and the read's coroutine, finalised while suspended,
-    turning the GeneratorExit into "Encountered error while reading array index" with the
-    array's whole TensorStore spec (a few KB each, tens of them per restore; in a multi-process
-    run whose stderr goes to a pipe this filled the pipe and stalled the process). Python prints
-    both kinds through `sys.unraisablehook`; only those are dropped, every other unraisable
-    exception goes to the previous hook. asyncio's log of the same restore's orphaned reads is
-    filtered too (`_drop_orphaned_read_errors`).
-    """
-    previous = sys.unraisablehook
-    if getattr(previous, "_jamp_stale_reads", False):
-        return
-
-    def hook(unraisable):
-        if not (_callback_into_closed_loop(unraisable) or _abandoned_orbax_read(unraisable)):
-            previous(unraisable)
-
-    hook._jamp_stale_reads = True  # type: ignore[attr-defined]  # a function attribute (mypy#2087)
-    sys.unraisablehook = hook
-    logging.getLogger("asyncio").addFilter(_drop_orphaned_read_errors)
-
-
-def _callback_into_closed_loop(unraisable: Any) -> bool:
-    exc, tb = unraisable.exc_value, unraisable.exc_traceback
-    return (
-        isinstance(exc, RuntimeError)
-        and str(exc) == "Event loop is closed"
-        and tb is not None
-        and tb.tb_frame.f_code.co_name == "call_soon_threadsafe"
-    )
-
-
-def _abandoned_orbax_read(unraisable: Any) -> bool:
-    """An Orbax coroutine closed while suspended (its restore had already failed) that raised."""
-    code = getattr(unraisable.object, "cr_code", None)
-    return (
-        code is not None
-        and _is_orbax_read(code.co_name, code.co_filename)
-        and isinstance(getattr(unraisable.exc_value, "__cause__", None), GeneratorExit)
-    )
-
-
-def _drop_orphaned_read_errors(record: logging.LogRecord) -> bool:
-    """Drops asyncio's reports of a failed restore's leftover Orbax reads.
-
-    The same failed restore leaves sibling read tasks whose own errors nobody awaits, and tasks
-    still pending when its loop closed; asyncio logs each ("exception was never retrieved", with
-    a traceback; "Task was destroyed but it is pending!") whenever the task happens to be garbage
-    collected (so only sometimes). The restore has already failed and been reported by then. Any
-    other asyncio record passes.
-    """
-    message = str(record.msg)
-    first = message.partition("\n")[0]
-    exc = record.exc_info[1] if record.exc_info else None
-    if first.endswith("exception was never retrieved"):
-        return not (exc is not None and "tensorstore_spec=" in str(exc))
-    if first == "Task was destroyed but it is pending!":
-        return _READ_TASK.search(message) is None
-    return True
-
-
-def _same_copies(held: Any, copies: Any) -> bool:
-    """Whether a checkpoint's `compute_params` (metadata) are the ones the run keeps: then they
-    are restored as stored, and a resumed run reads the very copies the update wrote."""
-    if held is None or copies is None:
-        return False
-    wanted = _leaf_specs({"compute_params": copies})
-    return _describe_mismatch(_leaf_specs({"compute_params": held}), wanted) is None
-
-
-def _as_stored(held: Any, params: Any) -> Any:
-    """Placeholders for a checkpoint's `compute_params` (to read them and let them go): their
-    stored shapes and dtypes, on their params' shardings."""
-    if held is None:
-        return None
-
-    def like(meta, param):
-        if meta is None:
-            return None
-        sharding = getattr(param, "sharding", None)
-        return jax.ShapeDtypeStruct(tuple(meta.shape), meta.dtype, sharding=sharding)
-
-    try:
-        return jax.tree.map(like, held, params, is_leaf=lambda x: x is None)
-    except ValueError:  # another model's: the params' own mismatch is what gets reported
-        return jax.tree.map(lambda m: like(m, None), held, is_leaf=lambda x: x is None)
-
-
-def _fields_added_since(target: Any, stored_tree: Any) -> list[str]:
-    """TrainState fields that are None in `target` and absent from a checkpoint's tree (one
-    written by a jamp that did not have them, e.g. `fp8_state`)."""
-    if not dataclasses.is_dataclass(target) or not isinstance(stored_tree, dict):
-        return []
-    return [
-        f.name
-        for f in dataclasses.fields(target)
-        if getattr(target, f.name) is None and f.name not in stored_tree
-    ]
-
-
-#: TrainState fields a run may switch on between restarts (a fresh value is kept then).
-OPTIONAL_FIELDS = ("adaptive_state",)
-
-
-def _switched_on(target: Any, stored_tree: Any) -> list[str]:
-    """OPTIONAL_FIELDS that `target` has and the checkpoint's tree does not."""
-    if not dataclasses.is_dataclass(target) or not isinstance(stored_tree, dict):
-        return []
-    return [
-        name
-        for name in OPTIONAL_FIELDS
-        if getattr(target, name, None) is not None and not stored_tree.get(name)
-    ]
-
-
-def _abstract(target: Any) -> Any:
-    """The target as shapes, dtypes and shardings; static pytree data is kept as it is."""
-    default = jax.sharding.make_single_device_sharding(jax.local_devices()[0])
-
-    def spec(leaf):
-        shape, dtype = _shape_dtype(leaf)
-        return jax.ShapeDtypeStruct(
-            shape, dtype, sharding=getattr(leaf, "sharding", None) or default
-        )
-
-    return jax.tree_util.tree_map(spec, target)
 
 
 def _savable(leaf: Any) -> Any:
@@ -453,9 +265,10 @@ class Checkpointer:
                     f"{', '.join(map(str, steps))}"
                 )
             steps = [int(step)]
-        wanted = _leaf_specs(target)
-        abstract = _abstract(target)
-        _ignore_stale_read_callbacks()  # a damaged checkpoint's reads call back after failing
+        wanted = stored_state.leaf_specs(target)
+        abstract = stored_state.abstract(target)
+        # A damaged checkpoint's reads call back after failing.
+        stale_reads.ignore_stale_read_callbacks()
         failures = []
         for candidate in reversed(steps):
             try:
@@ -513,27 +326,29 @@ class Checkpointer:
         stored_tree = getattr(stored, "tree", stored)
         copies = getattr(abstract, "compute_params", None)
         held = stored_tree.get("compute_params") if isinstance(stored_tree, dict) else None
-        if copies is None and held is None or _same_copies(held, copies):
+        if copies is None and held is None or stored_state.same_copies(held, copies):
             return self._restore_tree(step, abstract, wanted, stored_tree, fit)
         # The checkpoint holds other copies than the run keeps (none, or in another dtype: the
         # policy changed, or adaptive precision turned on): restore the rest, make them anew.
-        placed = abstract.replace(compute_params=_as_stored(held, abstract.params))
-        restored = self._restore_tree(step, placed, _leaf_specs(placed), stored_tree, fit)
+        placed = abstract.replace(compute_params=stored_state.as_stored(held, abstract.params))
+        restored = self._restore_tree(
+            step, placed, stored_state.leaf_specs(placed), stored_tree, fit
+        )
         dtype = dtype_of(copies)
         made = None if dtype is None else compute_copies(restored.params, dtype)
         return restored.replace(compute_params=made)
 
     def _restore_tree(self, step: int, abstract: Any, wanted: dict, stored_tree, fit) -> TrainState:
         if fit is not None and stored_tree is not None:
-            abstract = _abstract(fit(abstract, stored_tree))
-            wanted = _leaf_specs(abstract)
-        switched = _switched_on(abstract, stored_tree)
+            abstract = stored_state.abstract(fit(abstract, stored_tree))
+            wanted = stored_state.leaf_specs(abstract)
+        switched = stored_state.switched_on(abstract, stored_tree)
         if switched:  # e.g. adaptive precision turned on to resume a run that had it off
             fields = {f.name: getattr(abstract, f.name) for f in dataclasses.fields(abstract)}
             kept = {k: v for k, v in fields.items() if k not in switched}
             kept.update({k: None for k in switched if k in stored_tree})  # saved as None
-            wanted = _leaf_specs(abstract.replace(**{k: None for k in switched}))
-            mismatch = _describe_mismatch(_leaf_specs(stored_tree), wanted)
+            wanted = stored_state.leaf_specs(abstract.replace(**{k: None for k in switched}))
+            mismatch = stored_state.describe_mismatch(stored_state.leaf_specs(stored_tree), wanted)
             if mismatch is None:
                 restored = self._manager.restore(step, args=ocp.args.StandardRestore(kept))
                 restored = {**_agree(restored), **{k: fields[k] for k in switched}}
@@ -548,13 +363,13 @@ class Checkpointer:
                     )
         # Without the tree metadata (a damaged checkpoint) Orbax's own checks have to do.
         if stored_tree is not None:
-            mismatch = _describe_mismatch(_leaf_specs(stored_tree), wanted)
+            mismatch = stored_state.describe_mismatch(stored_state.leaf_specs(stored_tree), wanted)
             if mismatch is not None:
                 raise CheckpointError(
                     f"checkpoint at step {step} in {self.directory} does not match this model: "
                     f"{mismatch}; use another --workdir or the original config"
                 )
-        older = _fields_added_since(abstract, stored_tree)
+        older = stored_state.fields_added_since(abstract, stored_tree)
         if older:  # written before TrainState had these fields: restore the rest, keep the None
             fields = {f.name: getattr(abstract, f.name) for f in dataclasses.fields(abstract)}
             kept = {k: v for k, v in fields.items() if k not in older}
