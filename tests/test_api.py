@@ -69,6 +69,8 @@ RANK = {
     "autocast": 1,
     "overrides": 0.8,  # above precision, whose policies override keys map to
     "nnx": 1.5,  # above autocast and overrides, below wrap, which hands NNX modules to it
+    "nnx_functional": 1.4,  # an NNX model's functional side: beneath nnx, which re-exports it
+    "nnx_observers": 1.4,  # who hears of wrapped NNX calls: beneath nnx, which reports to it
     "wrap": 2,
     "state": 2,
     "step": 3,
