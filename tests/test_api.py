@@ -85,6 +85,8 @@ RANK = {
     "overflow_watch": 4,
     "tasks": 5.2,  # above inspect, whose per-module output flags the loss can return
     "adaptive": 1,  # above precision and hardware: the dtype ladder
+    "blame": 0.9,  # which modules a step's overflow record blames: beneath adaptive (re-exported)
+    "static_placement": 0.9,  # float32 from the first step: beneath adaptive (re-exported)
     "adapting": 4.5,  # above wrap and overflow_watch, below loop
     "nnx_adapter": 4.5,  # above models, whose NNX model specs it builds
     "run_config": 5,
