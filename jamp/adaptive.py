@@ -8,24 +8,11 @@ persistent-overflow stop ends the run. This module decides, from the per-step ov
 train step already returns, which modules should compute in a wider dtype, and hands the answer
 back as `jamp.wrap` overrides. It is pure host-side bookkeeping: no model, no tracing.
 
-One step's record is reduced to the modules it *blames* (`blame`):
-
-* a forward overflow (some module's output non-finite: the flags of
-  `jamp.inspect.overflow.output_flags`) blames the module where it began, the first in call
-  order whose output was non-finite;
-* otherwise, a backward overflow (some modules' gradients non-finite,
-  `metrics["grads_finite_by_module"]`, others finite) blames the last overflowed module in call
-  order, and, when the modules before it overflowed too (a non-finite input gradient flows back
-  into all of them), also the module after it, whose backward may have made that gradient: at
-  most one module more than necessary. When every module's gradients overflowed with a finite
-  forward pass, the loss scale was too large and finding a smaller one is the loss scale's job:
-  nothing is blamed.
-
-Under an fp8 policy, a module is also blamed on any step where one of its fp8 matmuls had values
-clipped: its amax went more than `SATURATION_LIMIT` times past E4M3's (or, for the gradient,
-E5M2's) largest value under the delayed scale it was quantised with (`saturated`, from the step's
-`jamp.fp8.saturation` metric). Saturation does not skip a step, it loses the top of the range
-quietly, so it is counted whether or not the step was skipped.
+One step's record is reduced to the modules it *blames* (`blame`, from `jamp.blame`, which says
+how): where a forward overflow began, else the last module in call order that a backward overflow
+reached (and at most the one after it); under an fp8 policy also the modules whose fp8 matmuls
+had values clipped past `SATURATION_LIMIT` (`saturated`). Nothing is blamed when every module's
+gradients overflowed with a finite forward pass: that is the loss scale's job.
 
 `Controller.decide` then promotes a module one rung up its ladder (float16 -> bfloat16 where the
 platform runs bfloat16 matmuls natively, else float32; fp8 -> bfloat16; bfloat16 -> float32) when
@@ -70,8 +57,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
-import re
 import zlib
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Self, Sequence
 
@@ -81,6 +66,13 @@ import numpy as np
 from flax import struct
 
 from jamp import hardware, precision
+
+# One step's diagnosis, which the controller observes, and static placement (float32 from the
+# first step): modules of their own, re-exported here with the controller (`jamp.adaptive.blame`).
+# (`saturated` as an explicit re-export: `Controller.observe` has a parameter of that name.)
+from jamp.blame import SATURATION_LIMIT, blame, site_module  # noqa: F401
+from jamp.blame import saturated as saturated
+from jamp.static_placement import blocks, placement_overrides  # noqa: F401
 
 #: Defaults, chosen from healthy float16 runs (experiments/adaptive_precision.py): a dynamic
 #: loss scale's search at the start of a run or after a growth skips at most a few steps in a row,
@@ -96,13 +88,6 @@ REASONS = (
     "no overflow for {m} steps",
     "overflowed or saturated its fp8 range on {k} of the last {n} steps",
 )
-
-#: An fp8 site whose amax went more than this factor past its format's largest value under the
-#: delayed scale it was quantised with (`jamp.fp8.saturation`) had values clipped by more than a
-#: binade: it is blamed like an overflow. Healthy delayed-scaling runs pass 1 on most steps (a
-#: growing tensor sets a new maximum) and 2 about once in 200-300 steps per site
-#: (`python -m jamp.train`, digits and lm_pydoc under mixed_fp8), never 6 times in 50.
-SATURATION_LIMIT = 2.0
 
 
 @struct.dataclass
@@ -173,87 +158,6 @@ def ladder(compute_dtype, *, bf16_fast: Optional[bool] = None) -> tuple[np.dtype
     if dtype.itemsize == 1:  # the fp8 formats
         return (dtype, bf16, f32)
     raise ValueError(f"no precision ladder for compute dtype {dtype.name}")
-
-
-def site_module(site: str, modules: Sequence[str]) -> str:
-    """The module an fp8 site belongs to: the site's name is its module's params path
-    (`jamp.fp8.site_name`: "Block_0/SelfAttention_0/query/dot_general_1"), that module where
-    `modules` holds it, else the nearest of `modules` enclosing it; "" (the model itself) when
-    none does ("dot_general": the model's own matmul; a site of `jamp.autocast`'s scopes)."""
-    parts = site.split("/")[:-1]
-    for end in range(len(parts), 0, -1):
-        if "/".join(parts[:end]) in modules:
-            return "/".join(parts[:end])
-    return ""
-
-
-def saturated(
-    saturation: Mapping[str, Any], modules: Sequence[str], limit: float = SATURATION_LIMIT
-) -> tuple[str, ...]:
-    """The modules whose fp8 sites were clipped past `limit` on one step (`saturation`: the
-    step's `{site: ratios}`, one per operand, `jamp.fp8.saturation`; a scalar per site is read
-    the same); a non-finite ratio is an overflow, which `blame` handles."""
-    out = []
-    for site, ratio in saturation.items():
-        ratio = np.asarray(ratio, np.float64)
-        if np.all(np.isfinite(ratio)) and np.max(ratio) > limit:
-            module = site_module(site, modules)
-            if module and module not in out:
-                out.append(module)
-    return tuple(out)
-
-
-def blame(
-    grads_finite_by_module: Mapping[str, Any],
-    forward_finite_by_module: Optional[Mapping[str, Any]] = None,
-    order: Optional[Sequence[str]] = None,
-) -> tuple[str, ...]:
-    """The modules one step's overflow record blames (see the module docstring).
-
-    Args:
-      grads_finite_by_module: the step's `{module: finite}` gradient flags (one step's values;
-        arrays or numbers, averaged flags count as finite only when exactly 1).
-      forward_finite_by_module: `{module path: finite}` of every module's output on the same step
-        (`jamp.inspect.overflow.output_flags`), or None where the step did not check them.
-      order: module paths in the order their calls finish (`jamp.module_policies`); without it
-        the forward flags' own order, and every overflowed gradient group is blamed.
-
-    Returns:
-      The blamed module paths: the forward overflow's origin alone; for a backward overflow
-      (some gradient groups non-finite, others not) the last overflowed group in call order, and
-      when the groups before it overflowed too (a non-finite input gradient flowing back) also
-      the module after it, whose backward may have made it; empty when nothing can be blamed.
-    """
-
-    def bad(flags):
-        return [path for path, ok in flags.items() if not np.all(np.asarray(ok) == 1)]
-
-    if forward_finite_by_module:
-        nonfinite = set(bad(forward_finite_by_module))
-        if nonfinite:
-            ranked = [p for p in (order or forward_finite_by_module) if p in nonfinite]
-            ranked += sorted(nonfinite - set(ranked))
-            named = [p for p in ranked if p]  # "" is the model itself: the whole model
-            return (named[0],) if named else ()
-    groups = bad(grads_finite_by_module)
-    if not groups or len(groups) == len(grads_finite_by_module):
-        return ()
-    ranked = [p for p in (order or ()) if p in grads_finite_by_module]
-    if len(ranked) < len(grads_finite_by_module):  # no call order for every group
-        return tuple(groups)
-    # A non-finite cotangent flows back into every module before the one whose backward made it,
-    # and that module's own weight gradient may stay finite: blame the last overflowed group in
-    # call order and the module after it (the one whose input gradient may have overflowed).
-    assert order is not None  # a call order ranked every group
-    # The modules at the groups' level (linen's top-level modules; NNX's `blocks/0` ...): those
-    # no other called module holds.
-    top = [p for p in order if p and not any(p.startswith(q + "/") for q in order if q)]
-    last = max(groups, key=ranked.index)
-    after = top[top.index(last) + 1 : top.index(last) + 2] if last in top else []
-    earlier = ranked[: ranked.index(last)]
-    if not any(p in groups for p in earlier):  # it alone: its own weight gradient overflowed
-        return (last,)
-    return (last, *after)
 
 
 class Controller:
@@ -451,67 +355,3 @@ class Controller:
                 f"({self._reason(int(state.reason[i]))})"
             )
         return lines
-
-
-_BLOCK = re.compile(r"^(.*?)_?(\d+)$")
-
-
-def blocks(top_level: Sequence[str]) -> list[str]:
-    """The model's repeated blocks among its top-level module paths, in call order.
-
-    The blocks are the largest family of numbered modules sharing a name (`DecoderBlock_0` ...
-    `DecoderBlock_11`, or NNX's `blocks/0` ...); when no family is larger than the others, every
-    top-level module counts (a small CNN: `Conv_0`, `Conv_1`, `Dense_0`, `Dense_1`).
-    """
-    families: dict[str, list[str]] = {}
-    for path in top_level:
-        match = _BLOCK.match(path.replace("/", "_"))
-        if match:
-            families.setdefault(match.group(1), []).append(path)
-    sizes = sorted((len(v) for v in families.values()), reverse=True)
-    if sizes and sizes[0] >= 2 and (len(sizes) == 1 or sizes[0] > sizes[1]):
-        return max(families.values(), key=len)
-    return list(top_level)
-
-
-def placement_overrides(
-    patterns: Sequence[str], top_level: Sequence[str], paths: Optional[Sequence[str]] = None
-) -> dict[str, str]:
-    """Static placement: `{path pattern: "float32"}` overrides for `jamp.wrap`.
-
-    Args:
-      patterns: module path patterns (fnmatch, as `jamp.wrap` overrides take), plus the forms
-        "first:N" and "last:N": the first / last N of the model's repeated blocks (`blocks`),
-        like Megatron's `--first-last-layers-bf16` but for any model.
-      top_level: the model's top-level module paths in call order.
-      paths: every module path of the model; given, a pattern that matches none of them is an
-        error (a misspelt path would otherwise keep nothing in float32, silently).
-
-    Raises:
-      ValueError: a malformed "first:"/"last:" form, N larger than the number of blocks, or a
-        pattern matching no module.
-    """
-    found = blocks(top_level)
-    out: dict[str, str] = {}
-    for pattern in patterns:
-        head, sep, count = pattern.partition(":")
-        if sep and head in ("first", "last"):
-            if not count.isdigit() or not 1 <= int(count) <= len(found):
-                raise ValueError(
-                    f"{pattern!r}: N must be an integer from 1 to {len(found)}, the number of "
-                    f"blocks ({', '.join(found[:3])}{' ...' if len(found) > 3 else ''})"
-                )
-            chosen = found[: int(count)] if head == "first" else found[-int(count) :]
-            out.update({path: "float32" for path in chosen})
-        elif sep:
-            raise ValueError(f"{pattern!r}: accepted are module path patterns and first:N / last:N")
-        else:
-            if paths is not None and not any(fnmatch.fnmatchcase(p, pattern) for p in paths):
-                shown = [p for p in paths if p][:8]
-                more = " ..." if len([p for p in paths if p]) > 8 else ""
-                raise ValueError(
-                    f"{pattern!r} matches no module of the model; its modules are "
-                    f"{', '.join(shown)}{more} (patterns are fnmatch-style: 'blocks/*/attention')"
-                )
-            out[pattern] = "float32"
-    return out

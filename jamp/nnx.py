@@ -17,32 +17,36 @@ How a call runs: the module is split into its graph and state, merged again insi
 RNG counts) are written back to the module. Overridden submodules of the merged copy get a class
 that marks their calls on the traced program (`jamp.overrides`), and every submodule's calls run
 in a name scope holding its attribute path (`CALL_SCOPE`), as Flax linen names its modules' calls,
-so `jamp.inspect` splits an NNX model by module (`blocks/0/attn`).
+so `jamp.inspect` splits an NNX model by module (`blocks/0/attn`). Every call is reported to the
+observers and output collectors of `jamp.nnx_observers` (`observing_calls`, `capturing_outputs`).
 
-`split(model)` is the functional side, for `jamp.make_train_step` (and so `jamp.parallel`'s
-pmap and `jamp.sharding`'s sharded step): params and model state as pytrees for a
-`jamp.TrainState`, and a loss function built from `loss(model, batch)`.
+`split(model)` is the functional side (`jamp.nnx_functional`), for `jamp.make_train_step` (and so
+`jamp.parallel`'s pmap and `jamp.sharding`'s sharded step): params and model state as pytrees for
+a `jamp.TrainState`, and a loss function built from `loss(model, batch)`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
 import types
-import zlib
 from typing import Any, Callable, Mapping, Optional, TypeGuard, TypeVar
 
 import jax
-import jax.numpy as jnp
 import jmp
 from flax import nnx
 
 from jamp import activations as activations_lib
 from jamp import jax_compat, precision, scopes
+from jamp import nnx_observers as observers
 from jamp import overrides as overrides_lib
 from jamp.engine import AttentionFusion, fusion_key, rewrite
+
+# The functional side for the train step, and the observers of calls, each a module of its own;
+# re-exported here, where their users reach them (`jamp.nnx.split`, `jamp.nnx.capturing_outputs`).
+from jamp.nnx_functional import MODEL_STATE, Functional, split  # noqa: F401
+from jamp.nnx_observers import capturing_outputs, observing_calls  # noqa: F401
 
 #: NNX module classes that run in float32 unless `overrides` says otherwise.
 FP32_MODULES: tuple[type, ...] = (
@@ -135,74 +139,6 @@ CALL_SCOPE = scopes.CALL_SCOPE
 #: The name scope of a wrapped NNX model's own call: `jamp_nnx_root(TransformerLM)`.
 ROOT_SCOPE = scopes.ROOT_SCOPE
 
-_call_observers: list[Callable[[str, type, Any], None]] = []
-
-
-@contextlib.contextmanager
-def observing_calls(observe: Callable[[str, type, Any], None]):
-    """Calls `observe(path, cls, setup)` for every call of a wrapped NNX model and of its
-    submodules traced inside this context: `path` as NNX spells it ("blocks/0/attn"; "" for the
-    model), `cls` the module's own class, `setup` (the model's call only) what the model was
-    wrapped with: `.policy`, `.overrides`, `.activations`. `jamp.inspect` records calls so."""
-    _call_observers.append(observe)
-    try:
-        yield
-    finally:
-        _call_observers.remove(observe)
-
-
-# Output maxima: `capturing_outputs()` collectors (outside), and the record of the call being
-# traced (inside: what the scoped methods write to).
-_capturing: list[dict[str, jax.Array]] = []
-_recording: list[tuple[dict[str, jax.Array], Any]] = []  # (record, the call's trace)
-
-
-@contextlib.contextmanager
-def capturing_outputs():
-    """Collects, for every call of a wrapped NNX model inside this context, the largest |value|
-    of each submodule's float outputs (`{path: float32 scalar}`, "" for the model's own output),
-    as values of the caller's trace: NNX's counterpart of linen's `capture_intermediates`, for
-    `jamp.inspect`'s range table and overflow attribution. A module called twice keeps its larger
-    output; a non-finite output gives a non-finite maximum. Outside this context nothing is
-    added to the program.
-
-    Example::
-
-      with jamp.nnx.capturing_outputs() as maxima:
-          logits = model(x)
-      maxima["blocks/0/attention"]  # a float32 scalar
-    """
-    collected: dict[str, jax.Array] = {}
-    _capturing.append(collected)
-    try:
-        yield collected
-    finally:
-        _remove(_capturing, collected)
-
-
-def _remove(stack: list, item) -> None:
-    """Removes `item` itself from `stack` (not an equal dict: `list.remove` compares by ==)."""
-    for i in range(len(stack) - 1, -1, -1):
-        if stack[i] is item:
-            del stack[i]
-            return
-
-
-def _record_output(record: dict[str, jax.Array], path: str, out) -> None:
-    floats = [
-        jnp.max(jnp.abs(x.astype(jnp.float32)))
-        for x in jax.tree.leaves(out)
-        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating) and x.size
-    ]
-    if floats:
-        top = jnp.max(jnp.stack(floats))
-        record[path] = jnp.maximum(record[path], top) if path in record else top
-
-
-def _merge_maxima(into: dict[str, jax.Array], maxima: Mapping[str, jax.Array]) -> None:
-    for path, value in maxima.items():
-        into[path] = jnp.maximum(into[path], value) if path in into else value
-
 
 @functools.lru_cache(maxsize=None)
 def _scoped_class(cls: type, path: tuple, original: type) -> type:
@@ -213,15 +149,19 @@ def _scoped_class(cls: type, path: tuple, original: type) -> type:
     def scoped(fn, records: bool):
         @functools.wraps(fn)
         def method(self, *args, **kwargs):
-            for observe in tuple(_call_observers):
+            for observe in tuple(observers.call_observers):
                 observe(spelled, original, None)
             with jax.named_scope(scope):
                 out = fn(self, *args, **kwargs)
                 # Outputs of calls, as linen's capture_intermediates: not of other methods (a
                 # mask, a tied head's `attend`), nor of calls inside a transform of the model's
                 # program (nnx.scan, nnx.remat, vmap, cond), whose values live in that trace.
-                if records and _recording and jax_compat.current_trace() is _recording[-1][1]:
-                    _record_output(_recording[-1][0], spelled, out)
+                if (
+                    records
+                    and observers.recording
+                    and jax_compat.current_trace() is observers.recording[-1][1]
+                ):
+                    observers.record_output(observers.recording[-1][0], spelled, out)
                 return out
 
         return method
@@ -279,7 +219,7 @@ def _run(module, setup: _Setup, name: str, args, kwargs):
         originals = {path: type(module) for path, module in _nodes(copy, nnx.Module)}
         _tag_overridden(copy, setup.overrides)
         _scope_calls(copy, originals)
-        for observe in tuple(_call_observers):
+        for observe in tuple(observers.call_observers):
             observe("", setup.original, setup)
         shape = nnx.graphdef(copy)
         before = {path: v.get_value() for path, v in _variables(copies).items()}
@@ -291,7 +231,7 @@ def _run(module, setup: _Setup, name: str, args, kwargs):
         maxima: dict[str, jax.Array] = {}
         entry = (maxima, jax_compat.current_trace())
         if capture:
-            _recording.append(entry)
+            observers.recording.append(entry)
         try:
             with jax.named_scope(scopes.root_scope(setup.original.__name__)):
                 if index is None:
@@ -303,10 +243,10 @@ def _run(module, setup: _Setup, name: str, args, kwargs):
                     ) as cast:
                         out = overrides_lib.cast_output(policy, method(*cast[0], **cast[1]))
                 if capture:
-                    _record_output(maxima, "", out)
+                    observers.record_output(maxima, "", out)
         finally:
             if capture:
-                _remove(_recording, entry)
+                observers.remove(observers.recording, entry)
         after = {path: v.get_value() for path, v in _variables(copies).items()}
         new = [path for path in after if path not in before]
         where = f"{setup.original.__name__}.{name}"
@@ -331,8 +271,8 @@ def _run(module, setup: _Setup, name: str, args, kwargs):
 
     # Fixed for this call's trace. A wrapped model called inside another's call (nested) does not
     # capture: its values live in the outer call's trace, which the collectors cannot see.
-    nested = bool(_recording)
-    capture = bool(_capturing) and not nested
+    nested = bool(observers.recording)
+    capture = bool(observers.capturing) and not nested
     arrays, values, maxima = rewrite(
         traced,
         precision.autocast_dtype(setup.policy),
@@ -343,8 +283,8 @@ def _run(module, setup: _Setup, name: str, args, kwargs):
         fuse_attention=setup.fuse_attention,
     )(state, data)
     if capture:
-        for collected in _capturing:
-            _merge_maxima(collected, maxima)
+        for collected in observers.capturing:
+            observers.merge_maxima(collected, maxima)
     variables = _variables(nodes)
     for path, value in zip(changed, values):  # batch statistics, RNG counts, caches
         variables[path].set_value(value)
@@ -465,82 +405,3 @@ def _finish_order(starts: list[str]) -> list[str]:
     while stack:
         done.setdefault(stack.pop())
     return list(done)
-
-
-# ----- the functional side: jamp.make_train_step's loss function for an NNX model
-
-#: The state `split` keeps in `model_state` (what the step averages, selects and checkpoints):
-#: everything but params and RNG streams, which the step reseeds from its own key.
-MODEL_STATE = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))
-
-
-def _stream_names(rng_state) -> tuple[str, ...]:
-    names = {leaf.tag for leaf in jax.tree.leaves(rng_state, is_leaf=_is_key) if _is_key(leaf)}
-    return tuple(sorted(names))
-
-
-def _is_key(x) -> bool:
-    return isinstance(x, nnx.RngKey)  # an NNX state holds the variables themselves
-
-
-@dataclasses.dataclass(frozen=True)
-class Functional:
-    """An NNX model as `jamp.make_train_step` takes it; build it with `split`."""
-
-    graphdef: Any
-    rng_state: Any
-    streams: tuple[str, ...]
-
-    def merge(self, params, model_state) -> nnx.Module:
-        """The NNX model with these params and model state (e.g. a trained `TrainState`'s)."""
-        # Variables made anew in the caller's trace: NNX lets a trace mutate only the variables
-        # created in it (the loss updates batch statistics and reseeds the RNG streams).
-        states = jax.tree.map(lambda leaf: leaf, (params, self.rng_state, model_state))
-        return nnx.merge(self.graphdef, *states)
-
-    def seeded(self, params, model_state, rng) -> nnx.Module:
-        """`merge`, with the model's RNG streams (dropout) seeded from `rng`."""
-        model = self.merge(params, model_state)
-        if self.streams:
-            keys = {s: jax.random.fold_in(rng, zlib.crc32(s.encode())) for s in self.streams}
-            nnx.reseed(model, **keys)  # type: ignore[arg-type]  # keys: stream names, not graph= / policy=
-        return model
-
-    def loss_fn(self, loss: Callable) -> Callable:
-        """jamp's `loss_fn(params, model_state, batch, rng)` from `loss(model, batch)`, which
-        returns the loss or `(loss, metrics)`; the model runs in training mode (`train()`),
-        with its RNG streams (dropout) seeded from the step's key."""
-
-        def loss_fn(params, model_state, batch, rng):
-            model = self.seeded(params, model_state, rng)
-            model.train()
-            out = loss(model, batch)
-            value, metrics = out if isinstance(out, tuple) else (out, {})
-            return value, (nnx.state(model, MODEL_STATE), dict(metrics))
-
-        return loss_fn
-
-    def eval_fn(self, metrics: Callable) -> Callable:
-        """jamp's `eval_fn(params, model_state, batch)` from `metrics(model, batch) -> dict`;
-        the model runs in evaluation mode (`eval()`)."""
-
-        def eval_fn(params, model_state, batch):
-            model = self.merge(params, model_state)
-            model.eval()
-            return metrics(model, batch)
-
-        return eval_fn
-
-
-def split(model: nnx.Module) -> tuple[Functional, Any, Any]:
-    """`(functional, params, model_state)` of an NNX model, for a `jamp.TrainState`.
-
-    `params` holds the `nnx.Param`s, `model_state` the other variables (batch statistics and
-    the like) except RNG streams, which `functional.loss_fn` reseeds from the step's key (so that
-    replicas draw different dropout masks and a resumed run draws the same ones).
-    """
-    if not is_module(model):
-        raise TypeError(f"jamp.nnx.split expects an nnx.Module, got {type(model).__name__}.")
-    graphdef, *states = nnx.split(model, nnx.Param, nnx.RngState, ...)
-    params, rng_state, model_state = states
-    return Functional(graphdef, rng_state, _stream_names(rng_state)), params, model_state

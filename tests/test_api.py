@@ -73,6 +73,8 @@ RANK = {
     "autocast": 1,
     "overrides": 0.8,  # above precision, whose policies override keys map to
     "nnx": 1.5,  # above autocast and overrides, below wrap, which hands NNX modules to it
+    "nnx_functional": 1.4,  # an NNX model's functional side: beneath nnx, which re-exports it
+    "nnx_observers": 1.4,  # who hears of wrapped NNX calls: beneath nnx, which reports to it
     "wrap": 2,
     "state": 2,
     "step": 3,
@@ -89,6 +91,8 @@ RANK = {
     "overflow_watch": 4,
     "tasks": 5.2,  # above inspect, whose per-module output flags the loss can return
     "adaptive": 1,  # above precision and hardware: the dtype ladder
+    "blame": 0.9,  # which modules a step's overflow record blames: beneath adaptive (re-exported)
+    "static_placement": 0.9,  # float32 from the first step: beneath adaptive (re-exported)
     "adapting": 4.5,  # above wrap and overflow_watch, below loop
     "nnx_adapter": 4.5,  # above models, whose NNX model specs it builds
     "run_config": 5,
