@@ -199,6 +199,13 @@ def test_api_imports_point_downward_only():
     assert not problems, problems
 
 
+def test_api_modules_stay_small():
+    # A module past this is split by concern (docs/design.md, "Habits"), not let grow.
+    lines = {path: len(path.read_text().splitlines()) for path in JAMP.rglob("*.py")}
+    large = {str(path.relative_to(JAMP)): n for path, n in lines.items() if n > 450}
+    assert not large, large
+
+
 def test_api_inspect_imports_no_training_program():
     # jamp.inspect is library (any project may use it); only its command line reads configs.
     program = {"train", "models"}
