@@ -198,6 +198,55 @@ def _is_node(x) -> bool:
     return nnx.graph.is_graph_node(x)
 
 
+def _call(copy, setup: _Setup, name: str, call_args, call_kwargs, capture: bool):
+    """The user's method `name` on `copy`, in the model's named scope and under the override the
+    model itself matches, if any; returns its output and the maxima recorded when capturing."""
+    # The user's method: from above the wrapping class (which runs this), whatever the copy's own
+    # class is.
+    wrapping = next(c for c in type(copy).__mro__ if "_jamp_setup" in vars(c))
+    method = getattr(super(wrapping, copy), name)
+    index = overrides_lib.first_match(setup.overrides, copy, ())
+    maxima: dict[str, jax.Array] = {}
+    entry = (maxima, jax_compat.current_trace())
+    if capture:
+        observers.recording.append(entry)
+    try:
+        with jax.named_scope(scopes.root_scope(setup.original.__name__)):
+            if index is None:
+                out = method(*call_args, **call_kwargs)
+            else:  # the model itself matches an override (a wrapped LayerNorm is a norm)
+                policy = setup.overrides[index][1]
+                with overrides_lib.running_under(
+                    index, policy, copy, call_args, call_kwargs
+                ) as cast:
+                    out = overrides_lib.cast_output(policy, method(*cast[0], **cast[1]))
+            if capture:
+                observers.record_output(maxima, "", out)
+    finally:
+        if capture:
+            observers.remove(observers.recording, entry)
+    return out, maxima
+
+
+def _check_carried_back(where: str, before: dict, after: dict, changed_shape: bool) -> None:
+    """Refuses a call that created variables or changed the module's attributes: what a wrapped
+    module's call changes must be variables it had, to be written back after the rewrite."""
+    new = [path for path in after if path not in before]
+    if new:
+        raise ValueError(
+            f"{where} created variables during the call "
+            f"({', '.join('/'.join(map(str, p)) for p in new[:3])}); a jamp-wrapped NNX "
+            "module must create its variables (caches, sown intermediates) before it is "
+            "wrapped."
+        )
+    if changed_shape:
+        raise ValueError(
+            f"{where} changed the module's attributes (not its variables) during the call, "
+            "which a jamp-wrapped NNX module cannot carry back; keep such state in an "
+            "nnx.Variable, or set it on the module before wrapping."
+        )
+
+
 def _run(module, setup: _Setup, name: str, args, kwargs):
     """`module.<name>(*args, **kwargs)` of the original class, under the policy."""
     # NNX objects among the arguments (an `nnx.Rngs`, another module) travel with the module, so
@@ -223,46 +272,10 @@ def _run(module, setup: _Setup, name: str, args, kwargs):
             observe("", setup.original, setup)
         shape = nnx.graphdef(copy)
         before = {path: v.get_value() for path, v in _variables(copies).items()}
-        # The user's method: from above the wrapping class (which runs this), whatever the copy's
-        # own class is.
-        wrapping = next(c for c in type(copy).__mro__ if "_jamp_setup" in vars(c))
-        method = getattr(super(wrapping, copy), name)
-        index = overrides_lib.first_match(setup.overrides, copy, ())
-        maxima: dict[str, jax.Array] = {}
-        entry = (maxima, jax_compat.current_trace())
-        if capture:
-            observers.recording.append(entry)
-        try:
-            with jax.named_scope(scopes.root_scope(setup.original.__name__)):
-                if index is None:
-                    out = method(*call_args, **call_kwargs)
-                else:  # the model itself matches an override (a wrapped LayerNorm is a norm)
-                    policy = setup.overrides[index][1]
-                    with overrides_lib.running_under(
-                        index, policy, copy, call_args, call_kwargs
-                    ) as cast:
-                        out = overrides_lib.cast_output(policy, method(*cast[0], **cast[1]))
-                if capture:
-                    observers.record_output(maxima, "", out)
-        finally:
-            if capture:
-                observers.remove(observers.recording, entry)
+        out, maxima = _call(copy, setup, name, call_args, call_kwargs, capture)
         after = {path: v.get_value() for path, v in _variables(copies).items()}
-        new = [path for path in after if path not in before]
         where = f"{setup.original.__name__}.{name}"
-        if new:
-            raise ValueError(
-                f"{where} created variables during the call "
-                f"({', '.join('/'.join(map(str, p)) for p in new[:3])}); a jamp-wrapped NNX "
-                "module must create its variables (caches, sown intermediates) before it is "
-                "wrapped."
-            )
-        if nnx.graphdef(copy) != shape:
-            raise ValueError(
-                f"{where} changed the module's attributes (not its variables) during the call, "
-                "which a jamp-wrapped NNX module cannot carry back; keep such state in an "
-                "nnx.Variable, or set it on the module before wrapping."
-            )
+        _check_carried_back(where, before, after, nnx.graphdef(copy) != shape)
         changed[:] = [path for path in after if after[path] is not before[path]]
         leaves, static["treedef"] = jax.tree.flatten(out)
         static["leaves"] = {i: x for i, x in enumerate(leaves) if not isinstance(x, jax.Array)}
