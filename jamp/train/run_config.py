@@ -150,27 +150,8 @@ def parse_config(config: ml_collections.ConfigDict, devices=None):
         activations_lib.resolve(config.activations)
         loss_scale = _make_loss_scale(config.loss_scale, config.loss_scale_params, policy)
         task = model_task(config.model)
-        optim = OptimConfig(
-            optimizer=config.optimizer,
-            learning_rate=float(config.learning_rate),
-            schedule=config.schedule,
-            warmup_steps=int(config.warmup_steps),
-            num_train_steps=int(config.num_train_steps),
-            weight_decay=float(config.weight_decay),
-            momentum=float(config.momentum),
-            state=config.get("optimizer_state", "float32"),
-            seed=int(config.seed),
-            kahan_dtype=np.dtype(policy.param_dtype).name if param_rounding == "kahan" else "",
-        )
-        data = data_lib.DataConfig(
-            dataset=config.dataset,
-            batch_size=int(config.batch_size),
-            data_dir=config.data_dir or None,
-            seq_len=int(config.seq_len),
-            seed=int(config.seed),
-            download=bool(config.download),
-            **_synthetic_fields(config),
-        )
+        optim = _optim_config(config, policy, param_rounding)
+        data = _data_config(config)
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:
@@ -179,15 +160,7 @@ def parse_config(config: ml_collections.ConfigDict, devices=None):
         raise ConfigError(
             f"max_grad_norm must be >= 0 (0: no clipping), got {config.max_grad_norm}"
         )
-    # Checked here rather than when the step is traced, after the workdir has been written.
-    count = jax.device_count() if devices is None else len(devices)
-    per_device, remainder = divmod(config.batch_size, count)
-    if not remainder and per_device % config.accumulation_steps:
-        raise ConfigError(
-            f"accumulation_steps {config.accumulation_steps} does not divide the per-device batch "
-            f"of {per_device} (batch_size {config.batch_size} over {count} devices): use a "
-            f"batch_size that is a multiple of {count * config.accumulation_steps}"
-        )
+    _check_accumulation(config, devices)
     mesh = _mesh(config, devices)
     run = RunConfig(
         model=config.model,
@@ -216,6 +189,49 @@ def parse_config(config: ml_collections.ConfigDict, devices=None):
         param_rounding=param_rounding,
     )
     return run, data, optim, task
+
+
+def _optim_config(config, policy, param_rounding: str) -> OptimConfig:
+    """The optimizer's fields of `config` (a Kahan-summed run keeps its compensation in the
+    params' dtype)."""
+    return OptimConfig(
+        optimizer=config.optimizer,
+        learning_rate=float(config.learning_rate),
+        schedule=config.schedule,
+        warmup_steps=int(config.warmup_steps),
+        num_train_steps=int(config.num_train_steps),
+        weight_decay=float(config.weight_decay),
+        momentum=float(config.momentum),
+        state=config.get("optimizer_state", "float32"),
+        seed=int(config.seed),
+        kahan_dtype=np.dtype(policy.param_dtype).name if param_rounding == "kahan" else "",
+    )
+
+
+def _data_config(config) -> data_lib.DataConfig:
+    """The input pipeline's fields of `config`."""
+    return data_lib.DataConfig(
+        dataset=config.dataset,
+        batch_size=int(config.batch_size),
+        data_dir=config.data_dir or None,
+        seq_len=int(config.seq_len),
+        seed=int(config.seed),
+        download=bool(config.download),
+        **_synthetic_fields(config),
+    )
+
+
+def _check_accumulation(config, devices) -> None:
+    """Refuses accumulation steps that do not divide the per-device batch: checked here rather
+    than when the step is traced, after the workdir has been written."""
+    count = jax.device_count() if devices is None else len(devices)
+    per_device, remainder = divmod(config.batch_size, count)
+    if not remainder and per_device % config.accumulation_steps:
+        raise ConfigError(
+            f"accumulation_steps {config.accumulation_steps} does not divide the per-device batch "
+            f"of {per_device} (batch_size {config.batch_size} over {count} devices): use a "
+            f"batch_size that is a multiple of {count * config.accumulation_steps}"
+        )
 
 
 def _param_rounding(config, policy) -> str:
