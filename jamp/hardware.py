@@ -38,8 +38,9 @@ from typing import Any, FrozenSet, Iterator, Optional
 import jax
 import numpy as np
 
-# The device a program is traced for: jamp.traced_for, re-exported here, where it is asked.
 from jamp.policy import Policy
+
+# The device a program is traced for: jamp.traced_for, re-exported here, where it is asked.
 from jamp.traced_for import (  # noqa: F401
     Tracing,
     compiling_for,

@@ -52,6 +52,9 @@ class Policy(jmp.Policy):
         """What `jamp.autocast` runs its matmuls in: the compute dtype, or `MATMUL_MARKER`."""
         return MATMUL_MARKER if self.is_fp8 else np.dtype(self.compute_dtype)
 
+    def _jmp_fields(self) -> tuple:
+        return (self.param_dtype, self.compute_dtype, self.output_dtype)
+
     def _extras(self) -> tuple:
         return (np.dtype(self.reduce_dtype), self.matmul)
 
@@ -59,14 +62,12 @@ class Policy(jmp.Policy):
         if not isinstance(other, jmp.Policy):
             return NotImplemented
         other = Policy.of(other)
-        dtypes = (self.param_dtype, self.compute_dtype, self.output_dtype)
-        theirs = (other.param_dtype, other.compute_dtype, other.output_dtype)
-        return dtypes == theirs and self._extras() == other._extras()
+        return self._jmp_fields() == other._jmp_fields() and self._extras() == other._extras()
 
     def __hash__(self):
-        dtypes = (self.param_dtype, self.compute_dtype, self.output_dtype)
         # A policy with jmp's fields only hashes as jmp's does, since it compares equal to one.
-        return hash(dtypes if self._extras() == (_F32, "") else (*dtypes, *self._extras()))
+        extras = self._extras()
+        return hash(self._jmp_fields() + (() if extras == (_F32, "") else extras))
 
     def __str__(self):
         text = super().__str__()

@@ -244,7 +244,7 @@ def describe(policy: PolicyLike) -> str:
     p = get_policy(policy)
     names = (jnp.dtype(d).name for d in (p.param_dtype, p.compute_dtype, p.output_dtype))
     text = "params={},compute={},output={}".format(*names)
-    reduce = reduce_dtype(p)
+    reduce = jnp.dtype(p.reduce_dtype)
     if reduce != _F32:
         text += f",reduce={reduce.name}"
-    return text + (",matmul=fp8" if is_fp8(p) else "")
+    return text + (",matmul=fp8" if p.is_fp8 else "")
